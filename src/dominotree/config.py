@@ -1,0 +1,66 @@
+"""SpecConfig: every knob of a generation call in one place, validated once."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+METHODS = ("ar", "dflash", "domino", "ddtree", "caddtree", "dominotree", "condadaptive")
+TREE_METHODS = ("ddtree", "caddtree", "dominotree", "condadaptive")
+DRAFT_METHODS = METHODS[1:]
+
+
+@dataclass
+class SpecConfig:
+    method: str = "dominotree"
+    max_new_tokens: int = 256
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = 0
+    stop: list[str] = field(default_factory=list)
+    raw: bool = False                  # raw text prompt: no chat template
+    budget: int = 16                   # tree nodes besides the root
+    max_depth: int | None = None       # default: the drafter's block depth
+    node_topk: int = 8                 # DominoTree children per expansion
+    corr_topm: int | None = 64         # DominoTree candidates per depth (None: whole vocabulary)
+    normalization: str = "topm"        # "topm" (published) or "exact"
+    conditioning: str = "path"         # DominoTree ladder: "path" | "greedy" (correction once per depth)
+    builder: str = "fast"              # "fast" or "reference" tree builder
+    cost_model: str | None = None      # JSON from `dominotree profile` (caddtree, condadaptive)
+    max_budget: int = 64               # cap for the adaptive methods
+
+    def __post_init__(self):
+        self.validate()
+
+    def validate(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"unknown method {self.method!r}; choose one of {', '.join(METHODS)}")
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens <= 0:
+            raise ValueError(f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if self.budget < 1:
+            raise ValueError(f"budget must be >= 1, got {self.budget}")
+        if self.node_topk < 1:
+            raise ValueError(f"node_topk must be >= 1, got {self.node_topk}")
+        if self.corr_topm is not None and self.corr_topm < 1:
+            raise ValueError(f"corr_topm must be >= 1 or None, got {self.corr_topm}")
+        if self.normalization not in ("topm", "exact"):
+            raise ValueError(f"normalization must be 'topm' or 'exact', got {self.normalization!r}")
+        if self.conditioning not in ("path", "greedy"):
+            raise ValueError(f"conditioning must be 'path' or 'greedy', got {self.conditioning!r}")
+        if self.builder not in ("fast", "reference"):
+            raise ValueError(f"builder must be 'fast' or 'reference', got {self.builder!r}")
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> "SpecConfig":
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise TypeError(f"unknown generation option(s): {', '.join(unknown)}")
+        return cls(**kwargs)

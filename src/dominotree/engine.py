@@ -1,0 +1,179 @@
+"""The decode loop: prefill, then rounds of draft -> build tree -> verify -> accept -> commit."""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .config import DRAFT_METHODS, SpecConfig
+from .proposers import make_proposer
+from .trees.tree import DraftTree
+from .verify import accept, pick_token
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    token_ids: list[int]
+    stats: dict = field(default_factory=dict)
+
+
+@dataclass
+class RoundEvent:
+    token_ids: list[int]   # tokens emitted this round (after stop handling)
+    accepted: int          # draft tokens accepted this round (bonus excluded)
+
+
+class GenerationStream:
+    """Iterate to receive each round's new tokens as they commit; `.result` once exhausted."""
+
+    def __init__(self, target, drafter, prompt, cfg: SpecConfig):
+        self.target, self.drafter, self.cfg = target, drafter, cfg
+        if cfg.method in DRAFT_METHODS and drafter is None:
+            raise ValueError(f"method {cfg.method!r} needs a drafter (load one with load_drafter)")
+        self.prompt_ids = target.encode_prompt(prompt, raw=cfg.raw)
+        if not self.prompt_ids:
+            raise ValueError("empty prompt")
+        if len(self.prompt_ids) + 1 > target.max_context:
+            raise ValueError(f"prompt of {len(self.prompt_ids)} tokens leaves no room in the target's "
+                             f"context of {target.max_context} tokens")
+        if drafter is not None and cfg.method in DRAFT_METHODS:
+            drafter.check_fits(target)
+        self.proposer = make_proposer(cfg, target, drafter)
+        self.result: GenerationResult | None = None
+
+    def __iter__(self):
+        try:
+            yield from self._run()
+        finally:
+            self.target.rollback()
+
+    def _run(self):
+        cfg, target, drafter = self.cfg, self.target, self.drafter
+        seed = cfg.seed if cfg.seed is not None else int.from_bytes(os.urandom(4), "little")
+        gen = torch.Generator().manual_seed(seed)
+        eos = target.eos_token_ids
+        uses_drafter = cfg.method != "ar"
+        stage = {"draft": 0.0, "build": 0.0, "verify": 0.0, "commit": 0.0}
+        accepted_per_round, tree_depths, budgets = [], [], []
+        out: list[int] = []
+        finish = None
+
+        t_start = time.perf_counter()
+        target.set_taps(drafter.target_layer_ids if uses_drafter else [])
+        pre = target.prefill(self.prompt_ids, features=uses_drafter)
+        if uses_drafter:
+            drafter.reset()
+            drafter.add_context(pre.features, start=0)
+        root = pick_token(pre.logits[-1], cfg.temperature, cfg.top_k, cfg.top_p, gen)
+        prefill_ms = (time.perf_counter() - t_start) * 1e3
+        finish = self._append(out, [root], eos)
+        yield RoundEvent([root], 0)
+
+        while finish is None:
+            room = target.max_context - target.length - 1   # deepest node the context still holds
+            if room < 0:
+                finish = "context"
+                break
+            max_depth = min(room, cfg.max_new_tokens - len(out))
+            t0 = time.perf_counter()
+            tree, timing, info = self.proposer(root, target.length, max_depth)
+            if tree.max_depth > max_depth:
+                tree = tree.truncate_depth(max_depth)
+            t1 = time.perf_counter()
+            ver = target.verify(tree, features=uses_drafter)
+            t2 = time.perf_counter()
+            path, bonus = accept(tree, ver.logits, cfg.temperature, cfg.top_k, cfg.top_p, gen)
+            target.commit(path)
+            if uses_drafter:
+                drafter.add_context(ver.features[path], start=target.length - len(path))
+            t3 = time.perf_counter()
+
+            stage["draft"] += timing.get("draft", (t1 - t0) * 1e3)
+            stage["build"] += timing.get("build", 0.0)
+            stage["verify"] += (t2 - t1) * 1e3
+            stage["commit"] += (t3 - t2) * 1e3
+            accepted_per_round.append(len(path) - 1)
+            tree_depths.append(tree.max_depth)
+            if "budget" in info:
+                budgets.append(info["budget"])
+            new = tree.tokens[path[1:]].tolist() + [bonus]
+            before = len(out)
+            finish = self._append(out, new, eos)
+            root = bonus
+            yield RoundEvent(out[before:], len(path) - 1)
+
+        text = target.decode(out)
+        if finish == "stop_string":
+            out, text = self._cut_at_stop(out, text)
+            finish = "stop"
+        wall = time.perf_counter() - t_start
+        rounds = len(accepted_per_round)
+        self.result = GenerationResult(text, out, _stats(
+            cfg, rounds, accepted_per_round, tree_depths, budgets, stage, prefill_ms, wall, len(out),
+            finish, len(self.prompt_ids)))
+
+    def _append(self, out: list[int], new: list[int], eos: set[int]) -> str | None:
+        for t in new:
+            out.append(t)
+            if t in eos:
+                return "stop"
+            if len(out) >= self.cfg.max_new_tokens:
+                return "length"
+        if self.cfg.stop and any(s in self.target.decode(out[-64:]) for s in self.cfg.stop):
+            return "stop_string"
+        return None
+
+    def _cut_at_stop(self, out, text):
+        cut = min((text.find(s) for s in self.cfg.stop if s in text), default=-1)
+        if cut < 0:
+            return out, text
+        text = text[:cut]
+        for n in range(1, len(out) + 1):   # the shortest token prefix that covers the kept text
+            if len(self.target.decode(out[:n])) >= cut:
+                return out[:n], text
+        return out, text
+
+
+def _stats(cfg, rounds, acc, depths, budgets, stage, prefill_ms, wall, n_out, finish, n_prompt) -> dict:
+    max_d = max(depths, default=0)
+    per_pos = []
+    for d in range(1, max_d + 1):
+        eligible = [a for a, md in zip(acc, depths) if md >= d]
+        per_pos.append(sum(a >= d for a in eligible) / len(eligible) if eligible else 0.0)
+    stats = {
+        "method": cfg.method,
+        "tau": (sum(acc) + rounds) / rounds if rounds else 1.0,
+        "rounds": rounds,
+        "accepted_per_round": acc,
+        "per_position_acceptance": per_pos,
+        "new_tokens": n_out,
+        "prompt_tokens": n_prompt,
+        "wall_s": wall,
+        "tokens_per_second": n_out / wall if wall > 0 else 0.0,
+        "prefill_ms": prefill_ms,
+        "stage_ms": {k: (v / rounds if rounds else 0.0) for k, v in stage.items()},
+        "finish_reason": finish,
+    }
+    if budgets:
+        stats["budgets"] = budgets
+    return stats
+
+
+def generate(target, drafter=None, prompt="", method: str = "dominotree", **options) -> GenerationResult:
+    """Generate from `prompt` (a string, chat messages, or token ids) with a speculative `method`."""
+    cfg = SpecConfig.from_kwargs(method=method, **options)
+    stream = GenerationStream(target, drafter, prompt, cfg)
+    for _ in stream:
+        pass
+    return stream.result
+
+
+def stream_generate(target, drafter=None, prompt="", method: str = "dominotree", **options) -> GenerationStream:
+    """Like generate, but iterate the returned stream for per-round RoundEvents."""
+    return GenerationStream(target, drafter, prompt, SpecConfig.from_kwargs(method=method, **options))
+
+
+__all__ = ["GenerationResult", "GenerationStream", "RoundEvent", "generate", "stream_generate", "DraftTree"]

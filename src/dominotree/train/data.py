@@ -1,0 +1,112 @@
+"""`dominotree train data`: the target writes the drafter's training data.
+
+Prompts (train/prompts.py) are chat-templated; responses are generated in bf16 batches, greedy for
+most shards and sampled (T = 0.7) for every `sampled_every`-th shard. Shards are written as
+compact uint16/int32 arrays; an existing shard is skipped, so an interrupted run resumes."""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from .prompts import training_prompts
+
+
+@dataclass
+class Sequence:
+    tokens: np.ndarray   # prompt + response token ids
+    prompt_len: int
+    source: str
+
+
+def shard_path(out: Path, k: int) -> Path:
+    return out / f"shard_{k:05d}.npz"
+
+
+def write_shard(path: Path, seqs: list[Sequence]) -> None:
+    lens = np.array([len(s.tokens) for s in seqs], dtype=np.int64)
+    tmp = path.with_suffix(".tmp.npz")
+    np.savez(tmp, tokens=np.concatenate([s.tokens for s in seqs]).astype(np.uint32),
+             offsets=np.concatenate([[0], np.cumsum(lens)]),
+             prompt_lens=np.array([s.prompt_len for s in seqs], dtype=np.int64),
+             sources=np.array([s.source for s in seqs]))
+    tmp.rename(path)
+
+
+def read_shards(data_dir: Path) -> list[Sequence]:
+    seqs = []
+    for path in sorted(Path(data_dir).glob("shard_*.npz")):
+        if path.name.endswith(".tmp.npz"):
+            continue
+        z = np.load(path)
+        off = z["offsets"]
+        for i in range(len(off) - 1):
+            seqs.append(Sequence(z["tokens"][off[i]:off[i + 1]].astype(np.int64), int(z["prompt_lens"][i]),
+                                 str(z["sources"][i])))
+    return seqs
+
+
+def generate_data(target, out: Path, num_prompts: int = 6000, shard_size: int = 64, batch_size: int = 32,
+                  max_new_tokens: int = 256, sampled_every: int = 4, temperature: float = 0.7,
+                  seed: int = 0, time_limit_s: float | None = None) -> dict:
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    prompts = training_prompts(seed)[:num_prompts]
+    tok = target.tokenizer
+    tok.padding_side = "left"
+    pad = tok.pad_token_id if tok.pad_token_id is not None else sorted(target.eos_token_ids)[0]
+    n_shards = (len(prompts) + shard_size - 1) // shard_size
+    meta = {"num_prompts": len(prompts), "shard_size": shard_size, "max_new_tokens": max_new_tokens,
+            "sampled_every": sampled_every, "temperature": temperature, "seed": seed, "target": target.name}
+    (out / "meta.json").write_text(json.dumps(meta, indent=2))
+    t0, made = time.time(), 0
+    bar = tqdm(range(n_shards), desc="train data (shards)")
+    for k in bar:
+        path = shard_path(out, k)
+        if path.exists():
+            continue
+        if time_limit_s is not None and time.time() - t0 > time_limit_s:
+            break
+        rows = prompts[k * shard_size:(k + 1) * shard_size]
+        sampled = sampled_every > 0 and k % sampled_every == sampled_every - 1
+        gen = torch.Generator().manual_seed(seed * 100003 + k)
+        seqs = []
+        encoded = sorted(((target.encode_prompt(p), src) for src, p in rows), key=lambda x: len(x[0]))
+        for b in range(0, len(encoded), batch_size):
+            batch = encoded[b:b + batch_size]
+            seqs += _generate_batch(target, batch, pad, max_new_tokens, sampled, temperature, gen)
+        write_shard(path, seqs)
+        made += sum(len(s.tokens) - s.prompt_len for s in seqs)
+        bar.set_postfix(resp_tokens=made, tok_s=f"{made / (time.time() - t0):.0f}")
+    return meta
+
+
+@torch.inference_mode()
+def _generate_batch(target, batch, pad, max_new_tokens, sampled, temperature, gen) -> list[Sequence]:
+    width = max(len(ids) for ids, _ in batch)
+    input_ids = torch.full((len(batch), width), pad, dtype=torch.long)
+    attn = torch.zeros((len(batch), width), dtype=torch.long)
+    for i, (ids, _) in enumerate(batch):
+        input_ids[i, width - len(ids):] = torch.tensor(ids)
+        attn[i, width - len(ids):] = 1
+    kwargs = dict(do_sample=False)
+    if sampled:
+        torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=gen)))  # HF generate draws from the global RNG
+        kwargs = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
+    outs = target.model.generate(input_ids=input_ids, attention_mask=attn, max_new_tokens=max_new_tokens,
+                                 pad_token_id=pad, **kwargs)
+    eos = target.eos_token_ids
+    seqs = []
+    for i, (ids, src) in enumerate(batch):
+        resp = outs[i, width:].tolist()
+        for j, t in enumerate(resp):      # keep the EOS itself: drafters must learn to propose it
+            if t in eos:
+                resp = resp[:j + 1]
+                break
+        seqs.append(Sequence(np.array(ids + resp, dtype=np.int64), len(ids), src + ("/sampled" if sampled else "")))
+    return seqs

