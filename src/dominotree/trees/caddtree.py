@@ -1,0 +1,128 @@
+"""CaDDTree: a cost-aware adaptive budget, and the cost model it (and CondAdaptive) use.
+
+theta(n) = (1 + phi(n)) / (C_draft + C_verify(n, ctx)), phi(n) = sum of exp(score) of the n
+popped nodes (surrogate expected accepted draft tokens). Pop best-first and stop at the first
+candidate that would not raise theta. C_verify is profiled on this machine (`dominotree
+profile`) and fitted by a monotone convex least-squares curve per context length.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .ddtree import build_ddtree
+from .dominotree import path_probability_stop
+from .tree import DraftTree
+
+
+def monotone_convex_fit(y) -> np.ndarray:
+    """Least-squares fit of y (equally spaced) by a non-decreasing convex sequence.
+
+    beta = a + b*i + sum_j c_j * max(0, i - j) with a, b, c >= 0 is exactly the set of
+    non-negative, non-decreasing convex sequences, so the fit is one non-negative least squares."""
+    from scipy.optimize import nnls
+    y = np.asarray(y, dtype=np.float64)
+    n = len(y)
+    i = np.arange(n, dtype=np.float64)
+    cols = [np.ones(n), i] + [np.maximum(0.0, i - j) for j in range(1, n - 1)]
+    coef, _ = nnls(np.stack(cols, 1), y)
+    return np.stack(cols, 1) @ coef
+
+
+@dataclass
+class CostModel:
+    c_draft: float                                   # ms per round (draft + build)
+    curves: dict[int, list[float]] = field(default_factory=dict)   # ctx -> C_verify(n) ms, n = 0..N
+
+    def c_verify(self, n: int, ctx: int) -> float:
+        ctxs = sorted(self.curves)
+        vals = [self._at(self.curves[c], n) for c in ctxs]
+        if ctx <= ctxs[0]:
+            return vals[0]
+        if ctx >= ctxs[-1]:
+            return vals[-1]
+        return float(np.interp(ctx, ctxs, vals))
+
+    @staticmethod
+    def _at(curve: list[float], n: int) -> float:
+        n = max(n, 0)
+        if n < len(curve):
+            return curve[n]
+        slope = curve[-1] - curve[-2] if len(curve) > 1 else 0.0
+        return curve[-1] + slope * (n - len(curve) + 1)
+
+    def save(self, path) -> None:
+        Path(path).write_text(json.dumps({"c_draft": self.c_draft,
+                                          "curves": {str(k): v for k, v in self.curves.items()}}, indent=1))
+
+    @classmethod
+    def load(cls, path) -> "CostModel":
+        try:
+            d = json.loads(Path(path).read_text())
+            return cls(float(d["c_draft"]), {int(k): [float(x) for x in v] for k, v in d["curves"].items()})
+        except (OSError, KeyError, ValueError, TypeError) as e:
+            raise ValueError(f"{path}: not a cost model written by `dominotree profile` ({e})") from e
+
+    @classmethod
+    def fit(cls, c_draft: float, samples: dict[int, dict[int, list[float]]]) -> "CostModel":
+        """samples: ctx -> n -> timings (ms) for n = 1..N. Cv(0) is clamped to Cv(1)."""
+        curves = {}
+        for ctx, by_n in samples.items():
+            ns = sorted(by_n)
+            med = [statistics.median(by_n[n]) for n in ns]
+            fitted = monotone_convex_fit(med)
+            curves[ctx] = [float(fitted[0])] + [float(v) for v in fitted]
+        return cls(c_draft, curves)
+
+
+def build_caddtree(logprobs: torch.Tensor, cost_model: CostModel, context_len: int,
+                   max_budget: int = 64, root_token: int = 0) -> DraftTree:
+    """DDTree's pop order with the throughput stop rule."""
+    return build_ddtree(logprobs, max_budget, root_token, stop=path_probability_stop(cost_model, context_len))
+
+
+def profile(target, drafter, max_nodes: int = 64, contexts=(128, 512, 1024), repeats: int = 3,
+            seed: int = 0, progress: bool = True) -> CostModel:
+    """Measure C_verify(n, ctx) with random trees of n nodes (+ root) and C_draft, then fit."""
+    from tqdm import tqdm
+    g = torch.Generator().manual_seed(seed)
+    V = target.vocab_size
+    samples: dict[int, dict[int, list[float]]] = {}
+    draft_times = []
+    target.set_taps(drafter.target_layer_ids if drafter is not None else [])
+    bar = tqdm(total=len(contexts) * max_nodes * repeats, desc="profile verify", disable=not progress)
+    for ctx in contexts:
+        prompt = torch.randint(3, V, (ctx,), generator=g)
+        pre = target.prefill(prompt, features=drafter is not None)
+        if drafter is not None:
+            drafter.reset()
+            drafter.add_context(pre.features, 0)
+            for _ in range(repeats + 1):
+                t0 = time.perf_counter()
+                drafter.draft(int(prompt[-1]), ctx, target)
+                draft_times.append((time.perf_counter() - t0) * 1e3)
+            draft_times.pop(-repeats - 1)   # warm-up
+        samples[ctx] = {}
+        for n in range(1, max_nodes + 1):
+            parents = [-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, n + 1)]
+            tree = DraftTree.from_lists(torch.randint(3, V, (n + 1,), generator=g).tolist(), parents)
+            times = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                target.verify(tree, features=drafter is not None)
+                times.append((time.perf_counter() - t0) * 1e3)
+                target.commit([0])
+                target._crop(ctx)
+                target.length = ctx
+                bar.update()
+            samples[ctx][n] = times
+    bar.close()
+    target.reset()
+    c_draft = statistics.median(draft_times) if draft_times else 0.0
+    return CostModel.fit(c_draft, samples)

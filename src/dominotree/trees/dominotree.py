@@ -1,0 +1,130 @@
+"""DominoTree: conditional best-first trees (reference builder).
+
+A node's children are scored with Domino's path-conditional logits: the GRU state has consumed
+the root and the node's own path, and L = L_base_d + W2 SiLU(W1 [H_d; S_path]). H_d (the
+expensive backbone output) is shared by every path; only the GRU step and the low-rank head are
+per node. Per depth only the top-M candidates of the base logits are corrected (computed once
+per round); the node_topk best become children, all pushed at once (ties: insertion order).
+
+This is the readable reference; trees/fast.py builds the identical tree with batched work.
+"""
+from __future__ import annotations
+
+import heapq
+import math
+from typing import Callable
+
+import torch
+
+from .tree import DraftTree
+
+
+def _embedder(embed):
+    if callable(embed) and not isinstance(embed, torch.Tensor):
+        return lambda ids: embed(ids).float()
+    return lambda ids: embed[ids].float()
+
+
+def depth_candidates(base_logits: torch.Tensor, corr_topm: int | None) -> torch.Tensor | None:
+    """Top-M base-logit candidates per depth [D, M] (None: the whole vocabulary)."""
+    if corr_topm is None or corr_topm >= base_logits.shape[-1]:
+        return None
+    return torch.topk(base_logits, corr_topm, dim=-1).indices
+
+
+def greedy_chain_states(base_logits, hidden, head, emb, root_state, prefix_len, cands):
+    """States along the greedy corrected chain: the "correction once per depth" ladder rung."""
+    states, state = [], root_state
+    for d in range(1, base_logits.shape[0] + 1):
+        states.append(state)
+        logits = base_logits[d - 1]
+        if d > prefix_len:
+            logits = logits + head.correction(hidden[d - 1][None], state)[0].float()
+        state = head.gru_step(state, emb(torch.argmax(logits)[None]))
+    return states
+
+
+def build_dominotree(base_logits: torch.Tensor, hidden: torch.Tensor, head, embed, root_token: int,
+                     budget: int, node_topk: int = 8, corr_topm: int | None = 64,
+                     normalization: str = "topm", prefix_len: int = 1, max_depth: int | None = None,
+                     stop: Callable[[int, float], bool] | None = None,
+                     conditioning: str = "path") -> DraftTree:
+    """Reference builder. base_logits [D, V], hidden [D, h] (depth d at row d - 1).
+
+    normalization: "topm" = log-softmax over the M corrected candidates (published);
+    "exact" = over the whole corrected vocabulary. `stop(n, score)` ends the build before a
+    candidate is accepted (CondAdaptive)."""
+    if normalization not in ("topm", "exact"):
+        raise ValueError(f"normalization must be 'topm' or 'exact', got {normalization!r}")
+    base_logits, hidden = base_logits.float(), hidden.float()
+    depth_limit = base_logits.shape[0] if max_depth is None else min(max_depth, base_logits.shape[0])
+    emb = _embedder(embed)
+    cands = depth_candidates(base_logits, corr_topm)
+    root_state = head.gru_step(head.zero_state(1, dtype=torch.float32), emb(torch.tensor([root_token])))
+    fixed = None
+    if conditioning == "greedy":
+        fixed = greedy_chain_states(base_logits, hidden, head, emb, root_state, prefix_len, cands)
+
+    def children(state, d):
+        """(tokens, log-probs) of the node_topk best children at depth d for a parent state."""
+        base = base_logits[d - 1]
+        if d <= prefix_len:
+            lp = torch.log_softmax(base, -1)
+            top = torch.topk(lp, min(node_topk, lp.numel()))
+            return top.indices.tolist(), top.values.tolist()
+        if fixed is not None:
+            state = fixed[d - 1]
+        if cands is None:
+            lp = torch.log_softmax(base + head.correction(hidden[d - 1][None], state)[0].float(), -1)
+            top = torch.topk(lp, min(node_topk, lp.numel()))
+            return top.indices.tolist(), top.values.tolist()
+        c = cands[d - 1]
+        corrected = base[c] + head.correction(hidden[d - 1][None], state, c)[0].float()
+        if normalization == "topm":
+            lp = torch.log_softmax(corrected, -1)
+        else:
+            full = base + head.correction(hidden[d - 1][None], state)[0].float()
+            lp = corrected - torch.logsumexp(full, -1)
+        top = torch.topk(lp, min(node_topk, lp.numel()))
+        return c[top.indices].tolist(), top.values.tolist()
+
+    tokens, parents, depths, scores, states = [root_token], [-1], [0], [0.0], [root_state]
+    heap, counter = [], 0
+    if depth_limit >= 1:
+        for tok, lp in zip(*children(root_state, 1)):
+            heapq.heappush(heap, (-lp, counter, tok, 1, 0))
+            counter += 1
+    while heap and len(tokens) - 1 < budget:
+        neg, _, tok, depth, parent = heapq.heappop(heap)
+        if stop is not None and stop(len(tokens) - 1, -neg):
+            break
+        idx = len(tokens)
+        tokens.append(tok)
+        parents.append(parent)
+        depths.append(depth)
+        scores.append(-neg)
+        state = head.gru_step(states[parent], emb(torch.tensor([tok])))
+        states.append(state)
+        if depth < depth_limit:
+            for ctok, lp in zip(*children(state, depth + 1)):
+                heapq.heappush(heap, (neg - lp, counter, ctok, depth + 1, idx))
+                counter += 1
+    return DraftTree(torch.tensor(tokens), torch.tensor(parents), torch.tensor(depths),
+                     torch.tensor(scores, dtype=torch.float32))
+
+
+def path_probability_stop(cost_model, context_len: int) -> Callable[[int, float], bool]:
+    """CaDDTree's throughput rule as a stop predicate: stop before the first candidate whose
+    acceptance would not raise theta(n) = (1 + phi(n)) / (C_draft + C_verify(n, ctx))."""
+    state = {"phi": 0.0, "theta": 1.0 / (cost_model.c_draft + cost_model.c_verify(0, context_len))}
+
+    def stop(n: int, score: float) -> bool:
+        delta = math.exp(score)
+        theta = (1.0 + state["phi"] + delta) / (cost_model.c_draft + cost_model.c_verify(n + 1, context_len))
+        if theta <= state["theta"]:
+            return True
+        state["phi"] += delta
+        state["theta"] = theta
+        return False
+
+    return stop

@@ -1,0 +1,102 @@
+"""Plain decoding (method "ar"): equals transformers' greedy generate; stop conditions; bad input."""
+import pytest
+import torch
+
+import dominotree as dt
+
+PROMPTS = [[1, 7, 8, 9], [1, 20, 21, 22, 23, 24, 25], [1, 50], [1, 4, 33, 60, 61, 62, 63, 64, 65, 66]]
+
+
+def hf_greedy(target, prompt, n):
+    with torch.inference_mode():
+        out = target.model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=n,
+                                    pad_token_id=2, eos_token_id=2)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("which", ["tiny_target", "tiny_qwen3_target"])
+def test_ar_greedy_equals_transformers_generate(which, request):
+    target = request.getfixturevalue(which)
+    for prompt in PROMPTS:
+        ours = dt.generate(target, None, prompt, method="ar", max_new_tokens=40)
+        assert ours.token_ids == hf_greedy(target, prompt, 40)
+        assert ours.stats["finish_reason"] in ("stop", "length")
+        assert ours.stats["tau"] == 1.0
+
+
+def test_ar_stops_at_eos_and_reports_it(tiny_target):
+    hits = 0
+    for p in range(5, 90):
+        r = dt.generate(tiny_target, None, [1, p], method="ar", max_new_tokens=30)
+        if r.stats["finish_reason"] == "stop":
+            assert r.token_ids[-1] == 2 and 2 not in r.token_ids[:-1]
+            hits += 1
+        else:
+            assert len(r.token_ids) == 30
+    assert hits > 0, "no prompt reached EOS: the EOS test does not exercise anything"
+
+
+def test_sampling_is_seeded_and_private(tiny_target):
+    a = dt.generate(tiny_target, None, [1, 7, 8], method="ar", temperature=1.0, seed=3, max_new_tokens=20)
+    torch.manual_seed(123)   # the global RNG must not matter
+    b = dt.generate(tiny_target, None, [1, 7, 8], method="ar", temperature=1.0, seed=3, max_new_tokens=20)
+    c = dt.generate(tiny_target, None, [1, 7, 8], method="ar", temperature=1.0, seed=4, max_new_tokens=20)
+    assert a.token_ids == b.token_ids
+    assert a.token_ids != c.token_ids
+
+
+def test_stop_strings_cut_the_text(tiny_target):
+    prompt = next(p for p in ([1, k] for k in range(5, 90))
+                  if len(dt.generate(tiny_target, None, p, method="ar", max_new_tokens=30).text.split()) > 6)
+    full = dt.generate(tiny_target, None, prompt, method="ar", max_new_tokens=30)
+    words = full.text.split()
+    stop = next(w for w in words[3:] if w not in words[:3])
+    r = dt.generate(tiny_target, None, prompt, method="ar", max_new_tokens=30, stop=[stop])
+    assert r.stats["finish_reason"] == "stop"
+    assert stop not in r.text
+    assert full.text.startswith(r.text)
+
+
+def test_chat_and_raw_prompts(tiny_target):
+    chat = tiny_target.encode_prompt("hello world")
+    raw = tiny_target.encode_prompt("hello world", raw=True)
+    assert raw == [7, 8]
+    assert chat[-2:] == [1, 5] and 7 in chat     # "<s>assistant" generation prompt
+    msgs = tiny_target.encode_prompt([{"role": "user", "content": "hello"}])
+    assert msgs[-2:] == [1, 5]
+
+
+def test_context_limit(tiny_target):
+    prompt = [1] + [10] * 250            # context is 256
+    r = dt.generate(tiny_target, None, prompt, method="ar", max_new_tokens=50)
+    assert r.stats["finish_reason"] in ("context", "stop")
+    assert len(prompt) + len(r.token_ids) <= 257
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(prompt=""), "empty prompt"),
+    (dict(prompt="   "), "empty prompt"),
+    (dict(prompt=[1] * 300), "context"),
+    (dict(prompt=[1, 2], max_new_tokens=0), "max_new_tokens"),
+    (dict(prompt=[1, 2], max_new_tokens=-3), "max_new_tokens"),
+    (dict(prompt=[1, 2], method="beam"), "unknown method"),
+    (dict(prompt=[1, 2], method="dominotree"), "needs a drafter"),
+    (dict(prompt=[1, 2], temperature=-1), "temperature"),
+    (dict(prompt=[1, 2], top_p=0), "top_p"),
+])
+def test_bad_input_gets_a_clear_error(tiny_target, kwargs, match):
+    kwargs = {"method": "ar", **kwargs}
+    with pytest.raises(ValueError, match=match):
+        dt.generate(tiny_target, None, **kwargs)
+    # the target is still usable afterwards
+    assert dt.generate(tiny_target, None, [1, 7], method="ar", max_new_tokens=3).token_ids
+
+
+def test_unknown_option_is_rejected(tiny_target):
+    with pytest.raises(TypeError, match="unknown generation option"):
+        dt.generate(tiny_target, None, [1, 2], method="ar", max_tokens=5)
+
+
+def test_unknown_model_name():
+    with pytest.raises(dt.ModelNotFoundError, match="unknown model"):
+        dt.load_target("no-such-model")

@@ -1,0 +1,102 @@
+"""TargetModel: tree verification equals running each path alone; commit equals a fresh prefill."""
+import pytest
+import torch
+
+from dominotree import DraftTree
+
+
+def path_logits(target, prefix, path_tokens):
+    """Logits at the last token of prefix + path, computed from scratch with a plain forward."""
+    ids = torch.tensor(prefix + path_tokens)[None]
+    with torch.inference_mode():
+        return target.model(input_ids=ids).logits[0, -1].float()
+
+
+@pytest.mark.parametrize("which", ["tiny_target", "tiny_qwen3_target"])
+def test_verify_matches_each_path(which, request):
+    target = request.getfixturevalue(which)
+    prefix = [1, 10, 11, 12, 13, 14]
+    # root 20; a tree with several branches, depth 5
+    tokens = [20, 21, 22, 23, 24, 25, 26, 27, 28, 29]
+    parents = [-1, 0, 0, 1, 1, 2, 3, 6, 7, 5]
+    tree = DraftTree.from_lists(tokens, parents)
+    assert tree.max_depth == 5
+    target.set_taps([1, 3])
+    target.prefill(prefix)
+    out = target.verify(tree)
+    for i in range(len(tree)):
+        toks = [tokens[j] for j in tree.path(i)]
+        ref = path_logits(target, prefix, toks)
+        assert torch.allclose(out.logits[i], ref, atol=1e-4), f"node {i}"
+    assert out.features.shape == (len(tree), 2 * target.hidden_size)
+    target.commit([0])
+
+
+def test_features_are_layer_outputs(tiny_target):
+    target = tiny_target
+    prompt = [1, 5, 6, 7, 8]
+    target.set_taps([0, 2])
+    out = target.prefill(prompt)
+    with torch.inference_mode():
+        hs = target.model(input_ids=torch.tensor([prompt]), output_hidden_states=True).hidden_states
+    ref = torch.cat([hs[1][0], hs[3][0]], -1)
+    assert torch.allclose(out.features, ref, atol=1e-5)
+
+
+def test_commit_then_continue_equals_fresh_prefill(tiny_target):
+    target = tiny_target
+    prefix = [1, 10, 11, 12]
+    tokens = [30, 31, 32, 33, 34, 35, 36]
+    parents = [-1, 0, 0, 2, 2, 4, 1]
+    tree = DraftTree.from_lists(tokens, parents)
+    target.prefill(prefix)
+    target.verify(tree)
+    path = tree.path(5)                      # root -> 2 -> 4 -> 5 (a non-contiguous path)
+    assert path == [0, 2, 4, 5]
+    target.commit(path)
+    assert target.length == len(prefix) + len(path)
+    nxt = DraftTree.single(40)
+    cont = target.verify(nxt).logits[0]
+    target.commit([0])
+    accepted = prefix + [tokens[j] for j in path] + [40]
+    ref = path_logits(target, accepted[:-1], accepted[-1:])
+    assert torch.allclose(cont, ref, atol=1e-4)
+    # and the cache itself equals a cache built from scratch
+    fresh_k = _keys_after_prefill(target, accepted)
+    assert torch.allclose(target.cache.layers[0].keys[0], fresh_k, atol=1e-4)
+
+
+def _keys_after_prefill(target, ids):
+    from transformers import DynamicCache
+    cache = DynamicCache(config=target.config)
+    with torch.inference_mode():
+        target.model(input_ids=torch.tensor([ids]), use_cache=True, **{target._cache_kw: cache})
+    return cache.layers[0].keys[0]
+
+
+def test_commit_cost_does_not_touch_the_prefix(tiny_target):
+    """Only the tail is rewritten: the prefix rows keep their storage."""
+    target = tiny_target
+    target.prefill(list(range(1, 60)))
+    before = target.cache.layers[0].keys[..., :59, :].clone()
+    target.verify(DraftTree.from_lists([5, 6, 7, 8], [-1, 0, 0, 2]))
+    target.commit([0, 2, 3])
+    assert torch.equal(target.cache.layers[0].keys[..., :59, :], before)
+
+
+def test_misuse_is_rejected(tiny_target):
+    target = tiny_target
+    target.prefill([1, 2, 3])
+    with pytest.raises(RuntimeError):
+        target.commit([0])
+    target.verify(DraftTree.single(5))
+    with pytest.raises(RuntimeError):
+        target.verify(DraftTree.single(5))
+    with pytest.raises(ValueError):
+        target.commit([1])
+    target.rollback()
+    assert target.cache.layers[0].keys.shape[-2] == 3
+    with pytest.raises(ValueError):
+        target.prefill([])
+    with pytest.raises(ValueError):
+        target.set_taps([99])
