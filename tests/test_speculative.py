@@ -1,0 +1,99 @@
+"""Speculative methods are lossless at T = 0: chains and trees equal plain greedy decoding."""
+import pytest
+import torch
+
+import dominotree as dt
+from conftest import random_drafter
+from helpers import ScriptedDrafter, reference_sequence, zero_head
+
+PROMPTS = [[1, 11, 12, 13], [1, 40, 41], [1, 70, 71, 72, 73, 74]]
+CHAIN = ["dflash", "domino"]
+TREES = ["ddtree", "dominotree"]
+
+
+def run(target, drafter, prompt, method, n=40, **kw):
+    return dt.generate(target, drafter, prompt, method=method, max_new_tokens=n, **kw)
+
+
+@pytest.mark.parametrize("method", CHAIN + TREES)
+@pytest.mark.parametrize("kind", ["random", "oracle", "partly"])
+def test_lossless_greedy(tiny_target, method, kind):
+    domino = method in ("domino", "dominotree")
+    for i, prompt in enumerate(PROMPTS):
+        ref, plain = reference_sequence(tiny_target, prompt, 40)
+        drafter = random_drafter(domino, seed=i)
+        if kind != "random":
+            if domino:
+                zero_head(drafter) if kind == "oracle" else None
+            drafter = ScriptedDrafter(drafter, ref, wrong_rate=0.0 if kind == "oracle" else 0.3, seed=i)
+        out = run(tiny_target, drafter, prompt, method)
+        assert out.token_ids == plain.token_ids, (method, kind, i)
+        assert out.stats["finish_reason"] == plain.stats["finish_reason"]
+        if kind == "oracle" and len(plain.token_ids) >= 30:
+            # everything accepted: tau close to the drafter's depth + 1
+            assert out.stats["tau"] >= 0.6 * (drafter.num_depths + 1), out.stats
+
+
+@pytest.mark.parametrize("method", ["dflash", "ddtree", "dominotree"])
+def test_qwen3_target_lossless(tiny_qwen3_target, method):
+    prompt = [1, 11, 12, 13]
+    ref, plain = reference_sequence(tiny_qwen3_target, prompt, 30)
+    drafter = ScriptedDrafter(random_drafter(method != "ddtree"), ref, wrong_rate=0.3)
+    assert run(tiny_qwen3_target, drafter, prompt, method, 30).token_ids == plain.token_ids
+
+
+def _prompt_with_eos(target):
+    for k in range(5, 90):
+        r = dt.generate(target, None, [1, k], method="ar", max_new_tokens=40)
+        if r.stats["finish_reason"] == "stop" and len(r.token_ids) >= 6:
+            return [1, k], r
+    pytest.skip("no prompt reaches EOS")
+
+
+@pytest.mark.parametrize("method", CHAIN + TREES)
+def test_eos_inside_an_accepted_block(tiny_target, method):
+    prompt, plain = _prompt_with_eos(tiny_target)
+    ref = prompt + plain.token_ids + [5] * 40          # the oracle proposes past the EOS
+    drafter = ScriptedDrafter(zero_head(random_drafter(True)) if "domino" in method else random_drafter(False), ref)
+    out = run(tiny_target, drafter, prompt, method)
+    assert out.token_ids == plain.token_ids
+    assert out.stats["finish_reason"] == "stop"
+    assert out.token_ids.count(2) == 1
+
+
+@pytest.mark.parametrize("method", CHAIN + TREES)
+@pytest.mark.parametrize("n", [1, 2, 5, 9])
+def test_max_new_tokens_mid_block(tiny_target, method, n):
+    prompt = [1, 11, 12, 13]
+    ref, plain = reference_sequence(tiny_target, prompt, 60)
+    drafter = ScriptedDrafter(zero_head(random_drafter(True)) if "domino" in method else random_drafter(False), ref)
+    out = run(tiny_target, drafter, prompt, method, n)
+    assert out.token_ids == plain.token_ids[:n]
+    assert len(out.token_ids) == min(n, len(plain.token_ids))
+
+
+def test_stats_are_consistent(tiny_target):
+    prompt = [1, 11, 12, 13]
+    ref, plain = reference_sequence(tiny_target, prompt, 40)
+    drafter = ScriptedDrafter(random_drafter(True), ref, wrong_rate=0.2)
+    s = run(tiny_target, drafter, prompt, "dominotree").stats
+    assert s["rounds"] == len(s["accepted_per_round"])
+    # tokens: one from the prefill, then accepted + bonus per round (the last round may be cut)
+    assert 1 + sum(a + 1 for a in s["accepted_per_round"]) >= s["new_tokens"]
+    assert s["tau"] == pytest.approx((sum(s["accepted_per_round"]) + s["rounds"]) / s["rounds"])
+    assert all(0 <= p <= 1 for p in s["per_position_acceptance"])
+    assert set(s["stage_ms"]) == {"draft", "build", "verify", "commit"}
+
+
+def test_dflash_drafter_cannot_run_domino_methods(tiny_target):
+    with pytest.raises(ValueError, match="Domino drafter"):
+        run(tiny_target, random_drafter(False), [1, 5], "dominotree")
+
+
+def test_drafter_that_does_not_fit_is_rejected(tiny_target):
+    from conftest import drafter_config
+    from dominotree.drafters import DrafterLoadError, build_drafter
+    cfg = drafter_config(True)
+    cfg.target_layer_ids = [1, 9]
+    with pytest.raises(DrafterLoadError, match="beyond the target"):
+        run(tiny_target, build_drafter(cfg), [1, 5], "domino")

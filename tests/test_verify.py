@@ -1,0 +1,132 @@
+"""Acceptance rules. Sample-and-match keeps the target's exact distribution (with a negative control)."""
+import itertools
+import math
+from collections import Counter
+
+import pytest
+import torch
+
+import dominotree as dt
+import dominotree.engine as engine
+from conftest import random_drafter
+from dominotree import DraftTree
+from dominotree.verify import accept, process_logits
+from helpers import MirrorDrafter, ScriptedDrafter, reference_sequence, run_mirror
+
+PROMPT = [1, 11, 12, 13]
+
+
+def test_process_logits_matches_transformers_warpers():
+    from transformers.generation.logits_process import (TemperatureLogitsWarper, TopKLogitsWarper,
+                                                        TopPLogitsWarper)
+    torch.manual_seed(0)
+    logits = torch.randn(4, 50) * 3
+    for t, k, p in [(0.7, 0, 1.0), (1.0, 5, 1.0), (1.3, 0, 0.8), (0.9, 10, 0.5)]:
+        x = TemperatureLogitsWarper(t)(None, logits.clone())
+        if k:
+            x = TopKLogitsWarper(k)(None, x)
+        if p < 1:
+            x = TopPLogitsWarper(p)(None, x)
+        assert torch.allclose(process_logits(logits, t, k, p), x.softmax(-1), atol=1e-6)
+
+
+def test_greedy_walk_follows_target_argmax():
+    tree = DraftTree.from_lists([9, 4, 5, 6, 7], [-1, 0, 0, 2, 3])
+    logits = torch.zeros(5, 10)
+    logits[0, 5] = logits[2, 6] = logits[3, 1] = 1     # root->5 (node 2), 5->6 (node 3), then 1: not a child
+    path, bonus = accept(tree, logits)
+    assert path == [0, 2, 3] and bonus == 1
+
+
+def exact_joint(target, prompt, steps, temperature, top_k, top_p):
+    """Exact distribution of the first `steps` emitted tokens under the processed target."""
+    dist = {(): 1.0}
+    for _ in range(steps):
+        nxt = {}
+        for prefix, p in dist.items():
+            with torch.inference_mode():
+                logits = target.model(input_ids=torch.tensor([prompt + list(prefix)])).logits[0, -1].float()
+            probs = process_logits(logits, temperature, top_k, top_p)
+            for tok in (probs > 0).nonzero().flatten().tolist():
+                nxt[prefix + (tok,)] = p * float(probs[tok])
+        dist = nxt
+    return dist
+
+
+def tv_and_bound(samples: Counter, exact: dict, n: int):
+    keys = set(samples) | set(exact)
+    tv = 0.5 * sum(abs(samples.get(k, 0) / n - exact.get(k, 0.0)) for k in keys)
+    expected = 0.5 * sum(math.sqrt(2 * p * (1 - p) / (math.pi * n)) for p in exact.values())
+    return tv, 1.5 * expected + 0.01
+
+
+def always_accept(tree, logits, temperature=0.0, top_k=0, top_p=1.0, generator=None):
+    """A broken verifier: follows the first child to a leaf, then samples the bonus."""
+    kids, node, path = tree.children(), 0, [0]
+    while kids[node]:
+        node = kids[node][0]
+        path.append(node)
+    return path, dt.verify.pick_token(logits[node], temperature, top_k, top_p, generator)
+
+
+CASES = [("dflash", 0.7, 4, 1.0, False), ("dominotree", 1.0, 0, 0.7, False), ("ddtree", 1.0, 5, 0.9, False),
+         ("dominotree", 1.0, 0, 0.7, True)]
+
+
+def sample_first_tokens(target, method, temperature, top_k, top_p, n, steps=3, scripted=False):
+    """Mirror drafter: siblings are the target's real alternatives, so branches get accepted.
+    Scripted drafter: half of its proposals are wrong, so a biased verifier shows."""
+    drafter = MirrorDrafter(random_drafter(method in ("domino", "dominotree")), target, depth=steps)
+    if scripted:
+        ref, _ = reference_sequence(target, PROMPT, 12)
+        drafter = ScriptedDrafter(drafter.inner, ref, wrong_rate=0.5)
+    counts = Counter()
+    for i in range(n):
+        run = dt.generate if scripted else run_mirror
+        r = run(target, drafter, PROMPT, method=method, max_new_tokens=steps, temperature=temperature,
+                       top_k=top_k, top_p=top_p, seed=i, budget=6, node_topk=3)
+        counts[tuple(r.token_ids[:steps])] += 1
+    return counts
+
+
+@pytest.mark.parametrize("method, temperature, top_k, top_p, scripted", CASES)
+def test_sample_and_match_keeps_the_target_distribution(tiny_target, method, temperature, top_k, top_p, scripted):
+    n = 1000
+    exact = exact_joint(tiny_target, PROMPT, 3, temperature, top_k, top_p)
+    counts = sample_first_tokens(tiny_target, method, temperature, top_k, top_p, n, scripted=scripted)
+    tv, bound = tv_and_bound(counts, exact, n)
+    assert tv < bound, f"TV {tv:.3f} >= bound {bound:.3f}"
+
+
+def test_negative_control_always_accept_fails(tiny_target, monkeypatch):
+    monkeypatch.setattr(engine, "accept", always_accept)
+    n = 1000
+    method, temperature, top_k, top_p, _ = CASES[3]   # the same drafter and settings pass with the real verifier
+    exact = exact_joint(tiny_target, PROMPT, 3, temperature, top_k, top_p)
+    counts = sample_first_tokens(tiny_target, method, temperature, top_k, top_p, n, scripted=True)
+    tv, bound = tv_and_bound(counts, exact, n)
+    assert tv > bound, "the distribution test cannot tell a biased verifier apart"
+
+
+def test_trees_reach_non_first_children_at_t1(tiny_target):
+    """The sampling test exercises branching: accepted nodes are sometimes not first children."""
+    ref, _ = reference_sequence(tiny_target, PROMPT, 12)
+    seen = Counter()
+    orig = engine.accept
+
+    def spy(tree, logits, *a, **k):
+        path, bonus = orig(tree, logits, *a, **k)
+        kids = tree.children()
+        for parent, child in zip(path, path[1:]):
+            seen[kids[parent].index(child)] += 1
+        return path, bonus
+
+    engine.accept = spy
+    try:
+        drafter = MirrorDrafter(random_drafter(False), tiny_target)
+        for i in range(100):
+            run_mirror(tiny_target, drafter, PROMPT, method="ddtree", max_new_tokens=6, temperature=1.0,
+                       seed=i, budget=8)
+    finally:
+        engine.accept = orig
+    assert seen[0] > 0 and sum(v for k, v in seen.items() if k > 0) > 0
