@@ -1,0 +1,205 @@
+"""Tree builders against brute force on tiny vocabularies; the fast builder against the reference."""
+import itertools
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import drafter_config
+from dominotree.drafters import DominoHead
+from dominotree.trees.caddtree import CostModel, build_caddtree, monotone_convex_fit
+from dominotree.trees.ddtree import build_ddtree
+from dominotree.trees.dominotree import build_dominotree
+from dominotree.trees.fast import build_dominotree_fast
+from dominotree.trees.tree import DraftTree
+
+
+def paths(tree: DraftTree):
+    toks = tree.tokens.tolist()
+    return {tuple(toks[j] for j in tree.path(i)[1:]) for i in range(1, len(tree))}
+
+
+def check_structure(tree: DraftTree):
+    parents, depths = tree.parents.tolist(), tree.depths.tolist()
+    for i in range(1, len(tree)):
+        assert parents[i] < i and depths[i] == depths[parents[i]] + 1
+    kids = tree.children()
+    for k in kids:   # siblings are distinct tokens
+        assert len({int(tree.tokens[c]) for c in k}) == len(k)
+    s = tree.scores[1:]
+    assert torch.all(s[1:] <= s[:-1] + 1e-6), "nodes are not in best-first order"
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_ddtree_is_the_top_budget_prefixes(seed):
+    g = torch.Generator().manual_seed(seed)
+    V, D = 5, 3
+    lp = torch.log_softmax(torch.randn(D, V, generator=g) * 2, -1)
+    every = [seq for d in range(1, D + 1) for seq in itertools.product(range(V), repeat=d)]
+    score = {s: sum(float(lp[i, t]) for i, t in enumerate(s)) for s in every}
+    for budget in (1, 4, 9, 20, len(every)):
+        tree = build_ddtree(lp, budget, root_token=99)
+        best = sorted(every, key=lambda s: -score[s])[:budget]
+        assert paths(tree) == set(best)
+        check_structure(tree)
+        for i in range(1, len(tree)):
+            p = tuple(int(tree.tokens[j]) for j in tree.path(i)[1:])
+            assert tree.scores[i].item() == pytest.approx(score[p], abs=1e-5)
+        assert int(tree.tokens[0]) == 99
+
+
+def test_ddtree_ties_are_deterministic():
+    lp = torch.log_softmax(torch.zeros(3, 4), -1)     # everything ties
+    a, b = build_ddtree(lp, 10), build_ddtree(lp, 10)
+    assert torch.equal(a.tokens, b.tokens) and torch.equal(a.parents, b.parents)
+    check_structure(a)
+
+
+# ----------------------------------------------------------------------------- DominoTree
+def random_problem(seed, V=40, D=4, h=64, scale=3.0):
+    g = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    cfg = drafter_config(True)
+    cfg.vocab_size = V
+    head = DominoHead(cfg)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.normal_(0, 0.5, generator=g)
+    base = torch.randn(D, V, generator=g) * scale
+    hidden = torch.randn(D, h, generator=g)
+    embed = torch.randn(V, h, generator=g)
+    return head, base, hidden, embed
+
+
+def brute_force_dominotree(head, base, hidden, embed, root, budget, k, M, normalization, prefix_len):
+    """Enumerate the whole k-per-expansion tree with independently computed conditional scores."""
+    D, V = base.shape
+    W1, W2 = head.embed_proj[0].weight, head.embed_proj[2].weight
+
+    def state_of(path_tokens):
+        out, _ = head.prefix_gru(embed[torch.tensor([root] + list(path_tokens))][None])
+        return out[0, -1]
+
+    def children(path_tokens):
+        d = len(path_tokens) + 1
+        if d <= prefix_len:
+            lp = F.log_softmax(base[d - 1], -1)
+            top = torch.topk(lp, k)
+            return list(zip(top.indices.tolist(), top.values.tolist()))
+        s = state_of(path_tokens)
+        full = base[d - 1] + W2 @ F.silu(W1 @ torch.cat([hidden[d - 1], s]))
+        cand = torch.arange(V) if M is None else torch.topk(base[d - 1], M).indices
+        if normalization == "exact" or M is None:
+            lp = F.log_softmax(full, -1)[cand]
+        else:
+            lp = F.log_softmax(full[cand], -1)
+        top = torch.topk(lp, k)
+        return list(zip(cand[top.indices].tolist(), top.values.tolist()))
+
+    nodes, frontier = {}, [((), 0.0)]
+    for _ in range(D):
+        nxt = []
+        for path, sc in frontier:
+            for tok, lp in children(path):
+                nodes[path + (tok,)] = sc + lp
+                nxt.append((path + (tok,), sc + lp))
+        frontier = nxt
+    best = sorted(nodes, key=lambda p: -nodes[p])[:budget]
+    return set(best), nodes
+
+
+@pytest.mark.parametrize("seed", range(8))
+@pytest.mark.parametrize("normalization", ["topm", "exact"])
+def test_dominotree_is_the_top_budget_conditional_nodes(seed, normalization):
+    head, base, hidden, embed = random_problem(seed)
+    with torch.no_grad():
+        for budget, k, M, prefix in [(10, 3, 8, 1), (25, 3, 6, 0), (7, 2, None, 1), (40, 3, 12, 1)]:
+            want, scores = brute_force_dominotree(head, base, hidden, embed, 7, budget, k, M, normalization, prefix)
+            tree = build_dominotree(base, hidden, head, embed, 7, budget, node_topk=k, corr_topm=M,
+                                    normalization=normalization, prefix_len=prefix)
+            assert paths(tree) == want
+            check_structure(tree)
+            for i in range(1, len(tree)):
+                p = tuple(int(tree.tokens[j]) for j in tree.path(i)[1:])
+                assert tree.scores[i].item() == pytest.approx(scores[p], abs=1e-4)
+
+
+def test_correction_changes_the_tree():
+    """Path conditioning matters: with the head's correction zeroed the tree differs."""
+    head, base, hidden, embed = random_problem(3, scale=0.5)
+    with torch.no_grad():
+        a = build_dominotree(base, hidden, head, embed, 7, 12, node_topk=3, corr_topm=10)
+        head.embed_proj[2].weight.zero_()
+        b = build_dominotree(base, hidden, head, embed, 7, 12, node_topk=3, corr_topm=10)
+    assert paths(a) != paths(b)
+
+
+@pytest.mark.parametrize("seed", range(300))
+def test_fast_builder_equals_reference(seed):
+    g = torch.Generator().manual_seed(10_000 + seed)
+    pick = lambda xs: xs[int(torch.randint(len(xs), (1,), generator=g))]
+    V, D = pick([30, 64, 200]), pick([1, 3, 8, 16])
+    head, base, hidden, embed = random_problem(seed, V=V, D=D, scale=pick([0.5, 2.0, 5.0]))
+    kw = dict(budget=pick([1, 4, 16, 32, 64]), node_topk=pick([1, 2, 4, 8]), corr_topm=pick([None, 8, 16, 64]),
+              normalization=pick(["topm", "exact"]), prefix_len=pick([0, 1, 2]),
+              max_depth=pick([None, 2, D]), conditioning=pick(["path", "path", "greedy"]))
+    with torch.no_grad():
+        ref = build_dominotree(base, hidden, head, embed, 5, **kw)
+        fast = build_dominotree_fast(base, hidden, head, embed, 5, **kw, lookahead=pick([1, 4, 32]))
+    assert torch.equal(ref.tokens, fast.tokens), kw
+    assert torch.equal(ref.parents, fast.parents), kw
+    assert torch.allclose(ref.scores, fast.scores, atol=1e-5), kw
+
+
+# ----------------------------------------------------------------------------- CaDDTree
+def test_caddtree_stops_where_theta_first_fails_to_increase():
+    g = torch.Generator().manual_seed(0)
+    lp = torch.log_softmax(torch.randn(6, 20, generator=g) * 3, -1)
+    curve = [10.0, 10.0, 10.2, 10.4, 10.6, 11.0, 14.0, 20.0, 30.0] + [30.0 + 8 * i for i in range(1, 60)]
+    cost = CostModel(c_draft=5.0, curves={100: curve})
+    full = build_ddtree(lp, 64)
+    theta = lambda n: (1 + sum(math.exp(s) for s in full.scores[1:n + 1].tolist())) / (5.0 + cost.c_verify(n, 100))
+    expected = next(n for n in range(64) if theta(n + 1) <= theta(n))
+    tree = build_caddtree(lp, cost, 100, max_budget=64)
+    assert len(tree) - 1 == expected
+    assert 0 < expected < 64
+    assert torch.equal(tree.tokens, full.tokens[:expected + 1])
+
+
+def test_cost_model_fit_is_monotone_convex_and_round_trips(tmp_path):
+    g = torch.Generator().manual_seed(0)
+    n = torch.arange(1, 41).float()
+    truth = 50 + 0.02 * n ** 2
+    noisy = {n_: [float(truth[n_ - 1] + torch.randn(1, generator=g) * 2) for _ in range(3)] for n_ in range(1, 41)}
+    cm = CostModel.fit(7.0, {128: noisy, 512: {k: [v[0] * 1.5] for k, v in noisy.items()}})
+    c = torch.tensor(cm.curves[128][1:])   # index 0 is Cv(0), clamped to Cv(1)
+    assert torch.all(c[1:] >= c[:-1] - 1e-9)
+    assert torch.all(c[2:] - 2 * c[1:-1] + c[:-2] >= -1e-6)
+    assert abs(cm.c_verify(20, 128) - float(truth[19])) < 3
+    assert cm.c_verify(20, 128) < cm.c_verify(20, 300) < cm.c_verify(20, 512)
+    cm.save(tmp_path / "cm.json")
+    assert CostModel.load(tmp_path / "cm.json").c_verify(33, 200) == pytest.approx(cm.c_verify(33, 200))
+    (tmp_path / "bad.json").write_text("{}")
+    with pytest.raises(ValueError, match="cost model"):
+        CostModel.load(tmp_path / "bad.json")
+
+
+def test_monotone_convex_fit_projects_a_concave_curve():
+    y = [0, 5, 8, 9, 9.5]
+    f = monotone_convex_fit(y)
+    d1, d2 = f[1:] - f[:-1], f[2:] - 2 * f[1:-1] + f[:-2]
+    assert (d1 >= -1e-9).all() and (d2 >= -1e-9).all()
+
+
+def test_tree_helpers():
+    t = DraftTree.from_lists([9, 1, 2, 3, 4], [-1, 0, 0, 1, 3])
+    assert t.path(4) == [0, 1, 3, 4]
+    anc = t.ancestor_mask()
+    assert anc[4].tolist() == [True, True, False, True, True]
+    pos, _ = t.flatten(10)
+    assert pos.tolist() == [10, 11, 11, 12, 13]
+    cut = t.truncate_depth(1)
+    assert cut.tokens.tolist() == [9, 1, 2] and cut.parents.tolist() == [-1, 0, 0]
+    with pytest.raises(ValueError):
+        DraftTree.from_lists([1, 2], [-1, 1])
