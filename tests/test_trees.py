@@ -173,7 +173,7 @@ def test_cost_model_fit_is_monotone_convex_and_round_trips(tmp_path):
     truth = 50 + 0.02 * n ** 2
     noisy = {n_: [float(truth[n_ - 1] + torch.randn(1, generator=g) * 2) for _ in range(3)] for n_ in range(1, 41)}
     cm = CostModel.fit(7.0, {128: noisy, 512: {k: [v[0] * 1.5] for k, v in noisy.items()}})
-    c = torch.tensor(cm.curves[128][1:])   # index 0 is Cv(0), clamped to Cv(1)
+    c = torch.tensor(cm.curves[128][1:], dtype=torch.float64)   # index 0 is Cv(0), clamped to Cv(1)
     assert torch.all(c[1:] >= c[:-1] - 1e-9)
     assert torch.all(c[2:] - 2 * c[1:-1] + c[:-2] >= -1e-6)
     assert abs(cm.c_verify(20, 128) - float(truth[19])) < 3
