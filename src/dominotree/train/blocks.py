@@ -1,0 +1,60 @@
+"""Training blocks: random anchors in target-written responses, each block = [anchor, MASK...],
+seeing only the clean context before its anchor (as at inference, where the root has no
+target features yet) and its own block (bidirectional)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class BlockBatch:
+    ctx_feats: torch.Tensor    # [B, S, k*h] bf16 target features
+    ctx_pos: torch.Tensor      # [B, S]
+    block_ids: torch.Tensor    # [B, N*b] anchor token then MASK
+    block_pos: torch.Tensor    # [B, N*b]
+    mask: torch.Tensor         # [B, 1, N*b, S + N*b] bool (True = attend)
+    labels: torch.Tensor       # [B, N, D] token at depth d (-100 = none)
+    truth: torch.Tensor        # [B, N, b] ground-truth tokens at anchor + 0..b-1 (GRU teacher forcing)
+
+
+def make_batch(seqs, block_size: int, num_anchors: int, num_depths: int, mask_token_id: int,
+               generator: torch.Generator) -> BlockBatch:
+    """seqs: list of (tokens [L], feats [L, k*h], prompt_len)."""
+    B, b, N = len(seqs), block_size, num_anchors
+    S = max(len(t) for t, _, _ in seqs)
+    dim = seqs[0][1].shape[-1]
+    ctx = torch.zeros(B, S, dim, dtype=torch.bfloat16)
+    block_ids = torch.full((B, N * b), mask_token_id, dtype=torch.long)
+    block_pos = torch.zeros(B, N * b, dtype=torch.long)
+    mask = torch.zeros(B, 1, N * b, S + N * b, dtype=torch.bool)
+    labels = torch.full((B, N, num_depths), -100, dtype=torch.long)
+    truth = torch.zeros(B, N, b, dtype=torch.long)
+    offsets = torch.arange(b)
+    for i, (toks, feats, plen) in enumerate(seqs):
+        L = len(toks)
+        ctx[i, :L] = feats
+        # anchors: response positions with at least one label after them
+        lo, hi = plen, L - 1
+        choices = torch.arange(lo, hi)
+        pick = choices[torch.randperm(len(choices), generator=generator)[:N]].sort().values
+        for n, a in enumerate(pick.tolist()):
+            sl = slice(n * b, (n + 1) * b)
+            block_ids[i, n * b] = toks[a]
+            block_pos[i, sl] = a + offsets
+            mask[i, 0, sl, :a] = True                               # clean context strictly before the anchor
+            mask[i, 0, sl, S + n * b:S + (n + 1) * b] = True          # own block, bidirectional
+            d = torch.arange(1, num_depths + 1)
+            ok = a + d < L
+            labels[i, n, :ok.sum()] = toks[a + d[ok]]
+            t_ok = a + offsets < L
+            truth[i, n, :t_ok.sum()] = toks[a + offsets[t_ok]]
+        for n in range(len(pick), N):                                 # unused slots: attend to themselves only
+            mask[i, 0, n * b:(n + 1) * b, S + n * b:S + (n + 1) * b] = True
+    return BlockBatch(ctx, torch.arange(S).expand(B, S), block_ids, block_pos, mask, labels, truth)
+
+
+def depth_weights(num_depths: int, gamma: float) -> torch.Tensor:
+    """exp(-(d - 1) / gamma) for depth d = 1..D (DFlash's per-offset decay)."""
+    return torch.exp(-(torch.arange(1, num_depths + 1).float() - 1) / gamma)

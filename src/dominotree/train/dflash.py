@@ -1,0 +1,196 @@
+"""`dominotree train dflash|domino`: train a block drafter (and optionally the Domino head) on
+cached target features. One loop for both; the Domino-specific loss lives in train/domino.py."""
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from ..drafters import DFlashBackbone, DominoHead, DrafterConfig, build_drafter, save_checkpoint
+from .blocks import depth_weights, make_batch
+from .features import FeatureStore
+
+
+@dataclass
+class TrainConfig:
+    out: str
+    steps: int = 1000
+    seqs_per_step: int = 8
+    anchors_per_seq: int = 16
+    lr: float = 1e-3
+    weight_decay: float = 0.01
+    warmup_frac: float = 0.04
+    min_lr_frac: float = 0.1
+    gamma: float = 7.0
+    clip: float = 1.0
+    seed: int = 0
+    save_every: int = 200
+    log_every: int = 10
+    # architecture
+    num_layers: int = 2
+    block_size: int = 16
+    intermediate_size: int = 1536
+    num_heads: int = 9
+    num_kv_heads: int = 3
+    mask_token_id: int = 16
+    # Domino head (head=False: a plain DFlash drafter)
+    head: bool = False
+    shift_label: bool = False
+    emb_dim: int = 128
+    gru_hidden_dim: int = 256
+    pure_draft_prefix_len: int = 1
+    curriculum: bool = True       # lambda 1 -> 0 linearly; False: final-logit loss only
+    ttt: bool = False             # GRU fed its own drafts instead of the ground truth
+    init_from: str | None = None  # start the backbone from a trained drafter checkpoint dir
+    extra: dict = field(default_factory=dict)
+
+
+def drafter_config(tc: TrainConfig, target, layer_ids) -> DrafterConfig:
+    t = target.config
+    rope = getattr(t, "rope_parameters", None) or {}
+    return DrafterConfig(
+        hidden_size=target.hidden_size, num_hidden_layers=tc.num_layers, num_attention_heads=tc.num_heads,
+        num_key_value_heads=tc.num_kv_heads, head_dim=target.hidden_size // tc.num_heads,
+        intermediate_size=tc.intermediate_size, vocab_size=target.vocab_size,
+        num_target_layers=target.num_layers, target_layer_ids=list(layer_ids), mask_token_id=tc.mask_token_id,
+        block_size=tc.block_size, rms_norm_eps=float(getattr(t, "rms_norm_eps", 1e-6)),
+        rope_theta=float(rope.get("rope_theta", getattr(t, "rope_theta", 10000.0))),
+        max_position_embeddings=target.max_context,
+        projector_type="domino" if tc.head else None, emb_dim=tc.emb_dim, gru_hidden_dim=tc.gru_hidden_dim,
+        pure_draft_prefix_len=tc.pure_draft_prefix_len, shift_label=tc.shift_label)
+
+
+def lr_at(step: int, tc: TrainConfig) -> float:
+    warm = max(1, int(tc.warmup_frac * tc.steps))
+    if step < warm:
+        return tc.lr * (step + 1) / warm
+    p = (step - warm) / max(1, tc.steps - warm)
+    return tc.lr * (tc.min_lr_frac + (1 - tc.min_lr_frac) * 0.5 * (1 + math.cos(math.pi * p)))
+
+
+def train(target, store: FeatureStore, tc: TrainConfig, progress: bool = True):
+    from .domino import domino_loss
+    out = Path(tc.out)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(tc.seed)
+    cfg = drafter_config(tc, target, store.layer_ids)
+    drafter = build_drafter(cfg, out.name)
+    if tc.init_from:
+        from ..drafters import load_checkpoint
+        init = load_checkpoint(Path(tc.init_from))
+        drafter.backbone.load_state_dict({k: v.float() for k, v in init.backbone.state_dict().items()})
+    modules = [drafter.backbone] + ([drafter.head] if tc.head else [])
+    for m in modules:
+        m.float().train()
+    params = [p for m in modules for p in m.parameters()]
+    decay = [p for p in params if p.dim() > 1]
+    no_decay = [p for p in params if p.dim() <= 1]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": tc.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=tc.lr, betas=(0.9, 0.95))
+    embed_w = target.model.get_input_embeddings().weight.detach().to(torch.bfloat16)
+    head_w = target.model.get_output_embeddings().weight.detach().to(torch.bfloat16)
+    weights = depth_weights(cfg.num_depths, tc.gamma)
+    state_file, log_file = out / "train_state.pt", out / "log.jsonl"
+    step = 0
+    gen = torch.Generator().manual_seed(tc.seed)
+    if state_file.exists():
+        st = torch.load(state_file, weights_only=False)
+        drafter.backbone.load_state_dict(st["backbone"])
+        if tc.head:
+            drafter.head.load_state_dict(st["head"])
+        opt.load_state_dict(st["opt"])
+        step = st["step"]
+        gen.set_state(st["gen"])
+    (out / "train_config.json").write_text(json.dumps(asdict(tc), indent=2))
+    bar = tqdm(total=tc.steps, initial=step, desc=f"train {out.name}", disable=not progress)
+    t0 = time.time()
+    while step < tc.steps:
+        idx = torch.randint(len(store), (tc.seqs_per_step,), generator=gen).tolist()
+        batch = make_batch([store.sequence(i) for i in idx], cfg.block_size, tc.anchors_per_seq,
+                           cfg.num_depths, cfg.mask_token_id, gen)
+        lam = max(0.0, 1.0 - step / max(1, tc.steps - 1)) if tc.curriculum else 0.0
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, tc)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            hid = block_hidden(drafter.backbone, batch, embed_w, cfg)
+            loss, metrics = domino_loss(drafter, hid, batch, embed_w, head_w, weights, cfg, lam, tc)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        gnorm = torch.nn.utils.clip_grad_norm_(params, tc.clip)
+        opt.step()
+        step += 1
+        bar.update()
+        if step % tc.log_every == 0 or step == tc.steps:
+            rec = {"step": step, "loss": float(loss.detach()), "lr": lr_at(step - 1, tc), "lambda": lam,
+                   "grad_norm": float(gnorm), "elapsed_s": time.time() - t0, **metrics}
+            with open(log_file, "a") as f:
+                f.write(json.dumps(rec) + "\n")
+            bar.set_postfix(loss=f"{rec['loss']:.3f}", acc_len=f"{metrics.get('accept_len_final', metrics['accept_len_base']):.2f}")
+        if step % tc.save_every == 0 or step == tc.steps:
+            st = {"backbone": drafter.backbone.state_dict(), "opt": opt.state_dict(), "step": step,
+                  "gen": gen.get_state()}
+            if tc.head:
+                st["head"] = drafter.head.state_dict()
+            torch.save(st, state_file.with_suffix(".tmp"))
+            state_file.with_suffix(".tmp").rename(state_file)
+    bar.close()
+    for m in modules:
+        m.eval()
+    save_checkpoint(drafter, out / "model")
+    plot_log(log_file, out / "loss.png")
+    return drafter
+
+
+def block_hidden(backbone: DFlashBackbone, batch, embed_w, cfg: DrafterConfig) -> torch.Tensor:
+    """Backbone output per depth: [B, N, D, h]."""
+    ctx = backbone.project_context(batch.ctx_feats)
+    ctx_kv = backbone.context_kv(ctx, batch.ctx_pos)
+    hid = backbone(embed_w[batch.block_ids], batch.block_pos, ctx_kv, batch.mask)
+    B, N = batch.labels.shape[:2]
+    hid = hid.view(B, N, cfg.block_size, -1)
+    return hid[:, :, :cfg.num_depths] if cfg.shift_label else hid[:, :, 1:]
+
+
+def weighted_ce(logits, labels, weights):
+    """Per-depth-weighted cross-entropy; also the argmax hits per position."""
+    V = logits.shape[-1]
+    ce = F.cross_entropy(logits.float().reshape(-1, V), labels.reshape(-1), ignore_index=-100, reduction="none")
+    ce = ce.view(labels.shape)
+    valid = (labels != -100).float()
+    w = weights.view(1, 1, -1) * valid
+    hits = (logits.argmax(-1) == labels) & (labels != -100)
+    return (ce * w).sum() / w.sum().clamp_min(1e-6), hits
+
+
+def accept_len(hits: torch.Tensor) -> float:
+    """Mean accepted length (bonus included) if each block were verified as a chain."""
+    return float(hits.long().cumprod(-1).sum(-1).float().mean() + 1)
+
+
+def plot_log(log_file: Path, png: Path) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    rows = [json.loads(l) for l in open(log_file)] if log_file.exists() else []
+    if not rows:
+        return
+    fig, ax = plt.subplots(1, 2, figsize=(10, 3.5))
+    steps = [r["step"] for r in rows]
+    ax[0].plot(steps, [r["loss"] for r in rows])
+    ax[0].set_xlabel("step"); ax[0].set_ylabel("loss"); ax[0].set_title(png.parent.name)
+    for key in ("accept_len_base", "accept_len_final"):
+        if key in rows[0]:
+            ax[1].plot(steps, [r[key] for r in rows], label=key)
+    ax[1].set_xlabel("step"); ax[1].set_ylabel("chain accept length (train batch)"); ax[1].legend()
+    fig.tight_layout()
+    fig.savefig(png, dpi=90)
+    plt.close(fig)

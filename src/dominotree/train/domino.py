@@ -1,0 +1,50 @@
+"""The drafter loss: DFlash's weighted CE on base logits, plus Domino's head.
+
+Domino: the GRU is teacher-forced on ground-truth tokens (state for depth d has consumed the
+anchor and the true tokens at depths 1..d-1); loss = lam * CE(base) + (1 - lam) * CE(final),
+lam annealed linearly 1 -> 0 (base-anchored curriculum). Ablation switches: ttt (the GRU is fed
+the head's own argmax drafts), no curriculum (lam = 0)."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .dflash import accept_len, weighted_ce
+
+
+def domino_loss(drafter, hid, batch, embed_w, head_w, weights, cfg, lam, tc):
+    base = F.linear(hid, head_w)                              # [B, N, D, V]
+    loss_base, hits_base = weighted_ce(base, batch.labels, weights)
+    metrics = {"loss_base": float(loss_base.detach()), "accept_len_base": accept_len(hits_base)}
+    if not tc.head:
+        return loss_base, metrics
+    head = drafter.head
+    B, N, D, h = hid.shape
+    prefix = cfg.pure_draft_prefix_len
+    if tc.ttt:
+        final = ttt_logits(head, hid, base, batch, embed_w, prefix)
+    else:
+        truth = batch.truth[:, :, :D].reshape(B * N, D)          # anchor, then true depths 1..D-1
+        states = head.teacher_forced_states(embed_w[truth].float()).view(B, N, D, -1)
+        corr = head.embed_proj(torch.cat([hid, states.to(hid.dtype)], -1))
+        keep = (torch.arange(1, D + 1) > prefix).view(1, 1, D, 1)
+        final = base + corr * keep
+    loss_final, hits_final = weighted_ce(final, batch.labels, weights)
+    metrics.update(loss_final=float(loss_final.detach()), accept_len_final=accept_len(hits_final))
+    return lam * loss_base + (1 - lam) * loss_final, metrics
+
+
+def ttt_logits(head, hid, base, batch, embed_w, prefix):
+    """Training-time test: the GRU advances on its own (detached) argmax drafts."""
+    B, N, D, _ = hid.shape
+    state = head.zero_state(B * N, dtype=torch.float32)
+    state = head.gru_step(state, embed_w[batch.truth[:, :, 0].reshape(-1)].float())   # the anchor (root)
+    outs = []
+    for d in range(1, D + 1):
+        logits = base[:, :, d - 1]
+        if d > prefix:
+            logits = logits + head.embed_proj(torch.cat([hid[:, :, d - 1], state.view(B, N, -1).to(hid.dtype)], -1))
+        outs.append(logits)
+        tok = logits.detach().argmax(-1).reshape(-1)
+        state = head.gru_step(state, embed_w[tok].float())
+    return torch.stack(outs, 2)
