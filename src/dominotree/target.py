@@ -220,6 +220,8 @@ def load_target(name_or_path: str = "smollm2-135m", dtype: str | torch.dtype | N
     # bf16 by default: on CPU it verifies many tokens more cheaply than fp32 (DESIGN.md).
     dtype = dtype or torch.bfloat16
     logging.getLogger("transformers").setLevel(logging.ERROR)
+    from transformers.utils import logging as hf_logging
+    hf_logging.disable_progress_bar()
     try:
         tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)

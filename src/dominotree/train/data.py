@@ -88,25 +88,48 @@ def generate_data(target, out: Path, num_prompts: int = 6000, shard_size: int = 
 
 @torch.inference_mode()
 def _generate_batch(target, batch, pad, max_new_tokens, sampled, temperature, gen) -> list[Sequence]:
+    """Left-padded batched decoding that drops finished rows from the cache as it goes
+    (the long tail of one long answer no longer costs a full batch per step)."""
+    from transformers import DynamicCache
+    model, eos = target.model, target.eos_token_ids
     width = max(len(ids) for ids, _ in batch)
-    input_ids = torch.full((len(batch), width), pad, dtype=torch.long)
-    attn = torch.zeros((len(batch), width), dtype=torch.long)
+    n = len(batch)
+    input_ids = torch.full((n, width), pad, dtype=torch.long)
+    attn = torch.zeros((n, width), dtype=torch.long)
     for i, (ids, _) in enumerate(batch):
         input_ids[i, width - len(ids):] = torch.tensor(ids)
         attn[i, width - len(ids):] = 1
-    kwargs = dict(do_sample=False)
-    if sampled:
-        torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=gen)))  # HF generate draws from the global RNG
-        kwargs = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
-    outs = target.model.generate(input_ids=input_ids, attention_mask=attn, max_new_tokens=max_new_tokens,
-                                 pad_token_id=pad, **kwargs)
-    eos = target.eos_token_ids
-    seqs = []
-    for i, (ids, src) in enumerate(batch):
-        resp = outs[i, width:].tolist()
-        for j, t in enumerate(resp):      # keep the EOS itself: drafters must learn to propose it
-            if t in eos:
-                resp = resp[:j + 1]
-                break
-        seqs.append(Sequence(np.array(ids + resp, dtype=np.int64), len(ids), src + ("/sampled" if sampled else "")))
-    return seqs
+    pos = (attn.cumsum(-1) - 1).clamp_min(0)
+    cache = DynamicCache(config=model.config)
+    kw = {target._cache_kw: cache}
+    logits = model(input_ids=input_ids, attention_mask=attn, position_ids=pos, use_cache=True,
+                   logits_to_keep=1, **kw).logits[:, -1]
+    active = list(range(n))                 # batch rows still generating, in cache order
+    out: list[list[int]] = [[] for _ in range(n)]
+    next_pos = pos[:, -1] + 1
+    for step in range(max_new_tokens):
+        if sampled:
+            probs = torch.softmax(logits.float() / temperature, -1)
+            nxt = torch.multinomial(probs, 1, generator=gen).flatten()
+        else:
+            nxt = logits.argmax(-1)
+        keep = []
+        for j, row in enumerate(active):
+            t = int(nxt[j])
+            out[row].append(t)
+            if t not in eos and step + 1 < max_new_tokens:
+                keep.append(j)
+        if not keep:
+            break
+        if len(keep) < len(active):
+            idx = torch.tensor(keep)
+            for layer in cache.layers:
+                layer.keys, layer.values = layer.keys[idx], layer.values[idx]
+            attn, next_pos, nxt = attn[idx], next_pos[idx], nxt[idx]
+            active = [active[j] for j in keep]
+        attn = torch.cat([attn, torch.ones(len(active), 1, dtype=torch.long)], 1)
+        logits = model(input_ids=nxt[:, None], attention_mask=attn, position_ids=next_pos[:, None],
+                       use_cache=True, **kw).logits[:, -1]
+        next_pos = next_pos + 1
+    return [Sequence(np.array(ids + out[i], dtype=np.int64), len(ids), src + ("/sampled" if sampled else ""))
+            for i, (ids, src) in enumerate(batch)]

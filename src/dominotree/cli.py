@@ -1,0 +1,172 @@
+"""`dominotree generate | models | profile | train | bench | serve`.
+
+Errors a user can fix (bad flags, unknown model, bad checkpoint) print one line on stderr and exit 2."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from .config import METHODS
+
+
+class UsageError(Exception):
+    pass
+
+
+def _load(args, need_drafter: bool):
+    import dominotree as dt
+    target = dt.load_target(args.model, dtype=getattr(args, "dtype", None))
+    drafter = None
+    if need_drafter:
+        drafter = dt.load_drafter(args.drafter, target=target)
+    return target, drafter
+
+
+def cmd_generate(args) -> int:
+    import dominotree as dt
+    need = args.method != "ar"
+    if need and args.drafter is None:
+        args.drafter = "smollm2-135m-dflash" if args.method in ("dflash", "ddtree", "caddtree") else "smollm2-135m-domino"
+    target, drafter = _load(args, need)
+    prompt = args.prompt if args.prompt != "-" else sys.stdin.read()
+    opts = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                top_k=args.top_k, seed=args.seed, raw=args.raw, budget=args.budget, node_topk=args.node_topk,
+                corr_topm=None if args.corr_topm <= 0 else args.corr_topm, builder=args.builder,
+                stop=args.stop or [], cost_model=args.cost_model)
+    if args.json:
+        r = dt.generate(target, drafter, prompt, method=args.method, **opts)
+        print(json.dumps({"text": r.text, "token_ids": r.token_ids, "stats": r.stats}))
+        return 0
+    stream = dt.stream_generate(target, drafter, prompt, method=args.method, **opts)
+    shown, ids = "", []
+    for event in stream:    # print text as rounds commit
+        ids += event.token_ids
+        text = target.decode(ids)
+        if text.startswith(shown):
+            sys.stdout.write(text[len(shown):])
+            sys.stdout.flush()
+            shown = text
+    r = stream.result
+    if r.text.startswith(shown):
+        sys.stdout.write(r.text[len(shown):])
+    s = r.stats
+    print(f"\n\n[{s['method']}] {s['new_tokens']} tokens, {s['tokens_per_second']:.1f} tok/s, tau {s['tau']:.2f}, "
+          f"{s['rounds']} rounds, finish: {s['finish_reason']}, stage ms/round: "
+          + ", ".join(f"{k} {v:.1f}" for k, v in s["stage_ms"].items()), file=sys.stderr)
+    return 0
+
+
+def cmd_models(args) -> int:
+    from .models import cache_dir, list_models
+    rows = list_models()
+    if args.json:
+        print(json.dumps(rows))
+        return 0
+    print(f"{'name':24} {'kind':8} {'installed':10} description")
+    for r in rows:
+        print(f"{r['name']:24} {r['kind']:8} {'yes' if r['installed'] else 'no':10} {r['description']}")
+    print(f"\ncache: {cache_dir()}")
+    return 0
+
+
+def cmd_profile(args) -> int:
+    from .models import cache_dir
+    from .trees.caddtree import profile
+    target, drafter = _load(args, True)
+    cm = profile(target, drafter, max_nodes=args.max_nodes, contexts=[int(c) for c in args.contexts.split(",")],
+                 repeats=args.repeats)
+    out = args.out or str(cache_dir() / "cost_model.json")
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    cm.save(out)
+    print(f"C_draft {cm.c_draft:.1f} ms; C_verify(1..{args.max_nodes}) at ctx {min(cm.curves)}: "
+          f"{cm.c_verify(1, min(cm.curves)):.1f} .. {cm.c_verify(args.max_nodes, min(cm.curves)):.1f} ms -> {out}")
+    return 0
+
+
+def cmd_train(args) -> int:
+    from .train import pipeline
+    return pipeline.main(args)
+
+
+def cmd_bench(args) -> int:
+    from .bench import runner
+    return runner.main(args)
+
+
+def cmd_serve(args) -> int:
+    from . import serve
+    return serve.main(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dominotree", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="command", required=True)
+
+    def model_flags(sp, drafter_default=None):
+        sp.add_argument("--model", default="smollm2-135m", help="named target or local HF model dir")
+        sp.add_argument("--drafter", default=drafter_default, help="bundled drafter name or checkpoint dir")
+        sp.add_argument("--dtype", default=None, choices=["bf16", "fp32", "fp16"], help="target dtype (default bf16)")
+
+    g = sub.add_parser("generate", help="generate text with a speculative method")
+    model_flags(g)
+    g.add_argument("prompt", help="the prompt (chat template applied unless --raw); '-' reads stdin")
+    g.add_argument("--method", default="dominotree", choices=METHODS)
+    g.add_argument("--max-new-tokens", type=int, default=256)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--budget", type=int, default=16)
+    g.add_argument("--node-topk", type=int, default=8)
+    g.add_argument("--corr-topm", type=int, default=64, help="<= 0: the whole vocabulary")
+    g.add_argument("--builder", default="fast", choices=["fast", "reference"])
+    g.add_argument("--cost-model", default=None, help="JSON from `dominotree profile`")
+    g.add_argument("--stop", action="append", help="stop string (repeatable)")
+    g.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    g.add_argument("--json", action="store_true", help="print one JSON object: text, token_ids, stats")
+    g.set_defaults(func=cmd_generate)
+
+    m = sub.add_parser("models", help="list named models and whether they are installed")
+    m.add_argument("--json", action="store_true")
+    m.set_defaults(func=cmd_models)
+
+    pr = sub.add_parser("profile", help="measure verify/draft cost and fit the CaDDTree cost model")
+    model_flags(pr, "smollm2-135m-domino")
+    pr.add_argument("--max-nodes", type=int, default=64)
+    pr.add_argument("--contexts", default="128,512,1024")
+    pr.add_argument("--repeats", type=int, default=3)
+    pr.add_argument("--out", default=None)
+    pr.set_defaults(func=cmd_profile)
+
+    from .train.pipeline import add_train_parser
+    add_train_parser(sub)
+    from .bench.runner import add_bench_parser
+    add_bench_parser(sub)
+
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    model_flags(s, "smollm2-135m-domino")
+    s.add_argument("--method", default="dominotree", choices=METHODS)
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.set_defaults(func=cmd_serve)
+    return p
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    from .drafters import DrafterLoadError
+    from .models import ModelNotFoundError
+    try:
+        return args.func(args) or 0
+    except (ValueError, UsageError, ModelNotFoundError, DrafterLoadError, FileNotFoundError) as e:
+        print(f"dominotree: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

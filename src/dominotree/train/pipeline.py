@@ -1,0 +1,111 @@
+"""`dominotree train data | features | dflash | domino | all`: the reproducible drafter recipe.
+
+`train all` runs every stage for the embedded target with the defaults below and copies the
+final drafters to checkpoints/. Each stage resumes where it stopped."""
+from __future__ import annotations
+
+import argparse
+import shutil
+from pathlib import Path
+
+# The recipe for SmolLM2-135M (30 layers, hidden 576), sized for a 2-core CPU (see docs/TRAINING.md).
+RECIPE = dict(layer_ids=[1, 14, 27], num_layers=2, block_size=16, emb_dim=128, gru_hidden_dim=256)
+
+
+def add_train_parser(sub) -> None:
+    t = sub.add_parser("train", help="train drafters for a target (data, features, dflash, domino, all)")
+    ts = t.add_subparsers(dest="stage", required=True)
+
+    def common(sp):
+        sp.add_argument("--model", default="smollm2-135m")
+        sp.add_argument("--workdir", default="runs/smollm2-135m", help="data, features and runs live here")
+
+    d = ts.add_parser("data", help="the target writes responses to the training prompts")
+    common(d)
+    d.add_argument("--num-prompts", type=int, default=12000)
+    d.add_argument("--max-new-tokens", type=int, default=256)
+    d.add_argument("--time-limit", type=float, default=None, help="stop starting new shards after N seconds")
+
+    f = ts.add_parser("features", help="cache the target's tapped-layer features")
+    common(f)
+    f.add_argument("--layers", default=",".join(map(str, RECIPE["layer_ids"])))
+
+    for name in ("dflash", "domino"):
+        r = ts.add_parser(name, help=f"train a {name} drafter on the cached features")
+        common(r)
+        r.add_argument("--out", default=None, help=f"run dir (default WORKDIR/{name})")
+        r.add_argument("--steps", type=int, default=1500)
+        r.add_argument("--lr", type=float, default=1e-3)
+        r.add_argument("--seqs-per-step", type=int, default=8)
+        r.add_argument("--anchors-per-seq", type=int, default=16)
+        r.add_argument("--num-layers", type=int, default=RECIPE["num_layers"])
+        if name == "domino":
+            r.add_argument("--no-head", action="store_true", help="ablation: backbone only")
+            r.add_argument("--ttt", action="store_true", help="ablation: GRU fed its own drafts")
+            r.add_argument("--no-curriculum", action="store_true", help="ablation: final-logit loss only")
+            r.add_argument("--emb-dim", type=int, default=RECIPE["emb_dim"])
+            r.add_argument("--gru-hidden-dim", type=int, default=RECIPE["gru_hidden_dim"])
+
+    a = ts.add_parser("all", help="data -> features -> dflash -> domino -> checkpoints/")
+    common(a)
+    a.add_argument("--num-prompts", type=int, default=12000)
+    a.add_argument("--steps", type=int, default=1500)
+
+
+def _target(args):
+    import dominotree as dt
+    return dt.load_target(args.model)
+
+
+def run_data(args, target=None):
+    from .data import generate_data
+    target = target or _target(args)
+    generate_data(target, Path(args.workdir) / "data", num_prompts=args.num_prompts,
+                  max_new_tokens=getattr(args, "max_new_tokens", 256), time_limit_s=getattr(args, "time_limit", None))
+
+
+def run_features(args, target=None):
+    from .features import build_feature_store
+    target = target or _target(args)
+    layers = [int(x) for x in str(getattr(args, "layers", ",".join(map(str, RECIPE["layer_ids"])))).split(",")]
+    build_feature_store(target, Path(args.workdir) / "data", Path(args.workdir) / "features", layers)
+
+
+def run_train(args, name: str, target=None):
+    from .dflash import TrainConfig, train
+    from .features import FeatureStore
+    target = target or _target(args)
+    store = FeatureStore(Path(args.workdir) / "features")
+    head = name == "domino" and not getattr(args, "no_head", False)
+    tc = TrainConfig(
+        out=args.out or str(Path(args.workdir) / name), steps=args.steps, lr=getattr(args, "lr", 1e-3),
+        seqs_per_step=getattr(args, "seqs_per_step", 8), anchors_per_seq=getattr(args, "anchors_per_seq", 16),
+        num_layers=getattr(args, "num_layers", RECIPE["num_layers"]), block_size=RECIPE["block_size"],
+        head=head, shift_label=head,
+        emb_dim=getattr(args, "emb_dim", RECIPE["emb_dim"]), gru_hidden_dim=getattr(args, "gru_hidden_dim", RECIPE["gru_hidden_dim"]),
+        ttt=getattr(args, "ttt", False), curriculum=not getattr(args, "no_curriculum", False))
+    train(target, store, tc)
+    return Path(tc.out) / "model"
+
+
+def main(args) -> int:
+    if args.stage == "data":
+        run_data(args)
+    elif args.stage == "features":
+        run_features(args)
+    elif args.stage in ("dflash", "domino"):
+        run_train(args, args.stage)
+    elif args.stage == "all":
+        from ..models import checkpoints_dir
+        target = _target(args)
+        run_data(args, target)
+        run_features(args, target)
+        for name in ("dflash", "domino"):
+            ns = argparse.Namespace(**vars(args), out=None)
+            model = run_train(ns, name, target)
+            dest = checkpoints_dir() / f"smollm2-135m-{name}"
+            if dest.exists():
+                shutil.rmtree(dest)
+            shutil.copytree(model, dest)
+            print(f"{name}: {dest}")
+    return 0
