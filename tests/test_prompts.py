@@ -1,0 +1,32 @@
+"""Training prompts are offline, mixed, and disjoint from every benchmark prompt."""
+from collections import Counter
+
+from dominotree.bench.datasets import DATASETS, load_dataset
+from dominotree.offline_data import ASDIV_BENCH, asdiv
+from dominotree.train.prompts import MIX, training_prompts
+
+
+def _norm(s: str) -> str:
+    return " ".join(s.lower().split())
+
+
+def test_training_and_benchmark_prompts_are_disjoint():
+    train = training_prompts()
+    bench = [p for d in DATASETS for p in load_dataset(d)]
+    assert len(bench) >= 80 + 164 + 100
+    train_texts = {_norm(t) for _, t in train}
+    assert not train_texts & {_norm(p.text) for p in bench}
+    # no benchmark question (e.g. an ASDiv problem or an MT-Bench turn) hides inside a training prompt
+    keys = [_norm(r["passage"] + " " + r["question"]) for r in asdiv()[:ASDIV_BENCH]]
+    joined = "\n".join(train_texts)
+    assert not any(k in joined for k in keys)
+    for p in load_dataset("mt-bench"):
+        assert _norm(p.text)[:80] not in joined
+
+
+def test_training_prompts_follow_the_mix():
+    rows = training_prompts()[:4000]
+    groups = Counter("code" if s == "code" else "math" if s == "math" else "instruction" for s, _ in rows)
+    for g, share in MIX.items():
+        assert abs(groups[g] / len(rows) - share) < 0.04
+    assert len({t for _, t in rows}) == len(rows)
