@@ -1,0 +1,61 @@
+"""Tree build time per round, reference vs fast builder, on the same recorded drafts.
+
+Drafts are recorded from real DominoTree rounds on benchmark prompts; then both builders run on
+each recorded draft, interleaved (reference, fast, fast, reference, ...), and must return the
+identical tree. Reports medians and the ratio (`dominotree bench --build-time`)."""
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+
+import torch
+
+from ..trees.fast import HeadWeights, build_dominotree_fast
+from ..trees.dominotree import build_dominotree
+
+
+def record_drafts(target, drafter, prompts, max_new_tokens=64, budget=16) -> list[tuple]:
+    """(DraftOutput, root) pairs from the rounds of real generations."""
+    import dominotree as dt
+    recorded = []
+    inner_draft = drafter.draft
+
+    def spy(root, start, tgt):
+        out = inner_draft(root, start, tgt)
+        recorded.append((out, root))
+        return out
+
+    drafter.draft = spy
+    try:
+        for p in prompts:
+            dt.generate(target, drafter, p, method="dominotree", max_new_tokens=max_new_tokens, budget=budget)
+    finally:
+        del drafter.draft
+    return recorded
+
+
+def time_builders(target, drafter, drafts, budget=16, node_topk=8, corr_topm=64, repeats=3) -> dict:
+    head = copy.deepcopy(drafter.head).float()
+    weights = HeadWeights(head)
+    embed = target.model.get_input_embeddings().weight
+    kw = dict(node_topk=node_topk, corr_topm=corr_topm, prefix_len=drafter.prefix_len)
+    ref_ms, fast_ms = [], []
+    for draft, root in drafts:
+        trees = {}
+        for order in range(repeats):
+            for name in (("reference", "fast") if order % 2 == 0 else ("fast", "reference")):
+                t0 = time.perf_counter()
+                with torch.inference_mode():
+                    if name == "fast":
+                        tree = build_dominotree_fast(draft.base_logits, draft.hidden, head, embed, root, budget,
+                                                     weights=weights, **kw)
+                    else:
+                        tree = build_dominotree(draft.base_logits, draft.hidden, head, embed, root, budget, **kw)
+                (fast_ms if name == "fast" else ref_ms).append((time.perf_counter() - t0) * 1e3)
+                trees[name] = tree
+        a, b = trees["reference"], trees["fast"]
+        if not (torch.equal(a.tokens, b.tokens) and torch.equal(a.parents, b.parents)):
+            raise AssertionError("fast builder returned a different tree than the reference")
+    ref, fast = statistics.median(ref_ms), statistics.median(fast_ms)
+    return {"rounds": len(drafts), "budget": budget, "reference_ms": ref, "fast_ms": fast, "speedup": ref / fast}
