@@ -1,11 +1,235 @@
-"""`dominotree bench`: every method side by side (placeholder parser until the harness lands)."""
+"""`dominotree bench`: every method side by side on the same prompts, then tables and plots.
+
+For each prompt and temperature all methods run back to back, so every speedup is a paired ratio
+taken under the same machine load. Each output line goes to results.jsonl as it is produced; the
+reports are derived from that file alone (`--report-only DIR` re-derives them byte for byte)."""
 from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+import time
+from pathlib import Path
+
+from .datasets import DATASETS, Prompt, load_dataset
+from .methods import ALL_METHODS, PRESETS, expand_methods, run_hf_peer
+from .metrics import BASELINE
+from .report import RESULTS, RUN_INFO, problems, write_reports
+
+DEFAULT_DRAFTERS = {"dflash": "smollm2-135m-dflash", "domino": "smollm2-135m-domino"}
 
 
 def add_bench_parser(sub) -> None:
-    b = sub.add_parser("bench", help="benchmark methods side by side")
-    b.set_defaults(func=lambda args: main(args))
+    b = sub.add_parser("bench", help="benchmark methods side by side (paired speedups, tau, plots)",
+                       description=__doc__.splitlines()[0])
+    b.add_argument("--datasets", default=",".join(DATASETS), help=f"comma list from {', '.join(DATASETS)}")
+    b.add_argument("--methods", default=None,
+                   help=f"comma list of method specs name[:key=value,...] (names: {', '.join(ALL_METHODS)}); "
+                        "e.g. dominotree:budget=32,corr_topm=16 or ddtree:drafter=domino. Default: all "
+                        "(or only the preset's). `ar` is always included")
+    b.add_argument("--preset", choices=list(PRESETS),
+                   help="add a sweep: ladder (marginal tree on the Domino drafter -> correction once per depth -> "
+                        "path-conditional), topm (corr_topm 8..64, full), budget (dominotree and ddtree at "
+                        "8..128), norm (topm vs exact normalization)")
+    b.add_argument("--temperatures", default="0", help="comma list, e.g. 0,0.5,1.0")
+    b.add_argument("--max-samples", type=int, default=10, help="first N prompts of each dataset")
+    b.add_argument("--max-new-tokens", type=int, default=128)
+    b.add_argument("--budget", type=int, default=16, help="tree budget unless a method spec sets one")
+    b.add_argument("--out", default=None, help="output directory")
+    b.add_argument("--model", default="smollm2-135m", help="named target or local HF model dir")
+    b.add_argument("--dtype", default=None, choices=["bf16", "fp32", "fp16"], help="target dtype (default bf16)")
+    b.add_argument("--dflash-drafter", default=DEFAULT_DRAFTERS["dflash"], help="for dflash, ddtree, caddtree")
+    b.add_argument("--domino-drafter", default=DEFAULT_DRAFTERS["domino"], help="for domino, dominotree, condadaptive")
+    b.add_argument("--cost-model", default=None, help="cost model JSON for caddtree/condadaptive (default: "
+                   "the profiled one in the cache for the default model, else profile once into DIR)")
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--warmup", type=int, default=1, help="untimed short generations per method before timing")
+    b.add_argument("--tie-tol", type=float, default=0.25,
+                   help="top-2 logit gap at or below which a T=0 divergence counts as a floating-point near-tie")
+    b.add_argument("--report-only", metavar="DIR", default=None,
+                   help="re-derive summary.md, summary.csv and plots from DIR/results.jsonl")
+    b.add_argument("--prompts-file", default=None, help=argparse.SUPPRESS)   # JSONL of {text, ...} (tests)
+    b.set_defaults(func=main)
 
 
 def main(args) -> int:
-    raise ValueError("the benchmark harness is not available yet")
+    if args.report_only:
+        _, records = write_reports(Path(args.report_only))
+        print(f"reports written to {args.report_only}", file=sys.stderr)
+        return verdict(records)
+    if not args.out:
+        raise ValueError("bench needs --out DIR (or --report-only DIR)")
+    specs = expand_methods(args.methods, args.preset)
+    temps = _floats(args.temperatures, "--temperatures")
+    for flag, v, lo in (("--max-samples", args.max_samples, 1), ("--max-new-tokens", args.max_new_tokens, 1),
+                        ("--budget", args.budget, 1), ("--warmup", args.warmup, 0), ("--tie-tol", args.tie_tol, 0)):
+        if v < lo:
+            raise ValueError(f"{flag} must be >= {lo}, got {v}")
+    prompts = load_prompts(args)
+
+    import dominotree as dt
+    target = dt.load_target(args.model, dtype=args.dtype)
+    names = {"dflash": args.dflash_drafter, "domino": args.domino_drafter}
+    drafters = {k: dt.load_drafter(names[k], target=target) for k in dict.fromkeys(s.drafter for s in specs) if k}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    cost_model = ensure_cost_model(args, target, drafters, specs, out)
+    info = {"command": command_line(args), "model": args.model, "cost_model": cost_model, "tie_tol": args.tie_tol,
+            **{f"{k}_drafter": names[k] for k in drafters}}
+    (out / RUN_INFO).write_text(json.dumps(info, indent=1) + "\n")
+
+    encoded = [target.encode_prompt(p.text) for p in prompts]   # for the equality check
+    warm_up(target, drafters, specs, prompts[0], temps[0], cost_model, args)
+    run_all(target, drafters, specs, prompts, encoded, temps, cost_model, args, out / RESULTS)
+    _, records = write_reports(out)
+    print(f"results and reports in {out}", file=sys.stderr)
+    return verdict(records)
+
+
+def _floats(text: str, flag: str) -> list[float]:
+    try:
+        vals = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"{flag} takes a comma list of numbers, got {text!r}") from None
+    if not vals or any(v < 0 for v in vals):
+        raise ValueError(f"{flag} needs one or more temperatures >= 0, got {text!r}")
+    return list(dict.fromkeys(vals))
+
+
+def load_prompts(args) -> list[Prompt]:
+    from ..offline_data import DatasetUnavailable, read_jsonl
+    if args.prompts_file:
+        rows = read_jsonl(Path(args.prompts_file))
+        if not all(isinstance(r.get("text"), str) for r in rows):
+            raise ValueError(f"{args.prompts_file}: every line needs a \"text\" string")
+        allp = [Prompt(r.get("dataset", "custom"), str(r.get("question_id", i)), r.get("category", "custom"), r["text"])
+                for i, r in enumerate(rows)]
+    else:
+        try:
+            allp = [p for name in dict.fromkeys(d.strip() for d in args.datasets.split(",") if d.strip())
+                    for p in load_dataset(name)]
+        except DatasetUnavailable as e:
+            raise ValueError(str(e)) from e
+    by_ds: dict[str, list[Prompt]] = {}
+    for p in allp:
+        if len(by_ds.setdefault(p.dataset, [])) < args.max_samples:
+            by_ds[p.dataset].append(p)
+    prompts = [p for ps in by_ds.values() for p in ps]
+    if not prompts:
+        raise ValueError("no benchmark prompts selected")
+    return prompts
+
+
+def command_line(args) -> str:
+    """The command with every option explicit (reproduces the run)."""
+    parts = ["dominotree", "bench"]
+    for k, v in vars(args).items():
+        skip = ("command", "func", "report_only") + (("datasets",) if args.prompts_file else ())
+        if k not in skip and v is not None:
+            parts += [f"--{k.replace('_', '-')}", str(v)]
+    return shlex.join(parts)
+
+
+def ensure_cost_model(args, target, drafters, specs, out: Path) -> str | None:
+    """caddtree/condadaptive need a cost model: the given one, the cached one (default model), or profile now."""
+    adaptive = [s for s in specs if s.needs_cost_model]
+    if not adaptive:
+        return None
+    if args.cost_model:
+        if not Path(args.cost_model).is_file():
+            raise FileNotFoundError(f"--cost-model {args.cost_model}: no such file")
+        return args.cost_model
+    from ..models import DEFAULT_TARGET, cache_dir
+    cached = cache_dir() / "cost_model.json"
+    if args.model == DEFAULT_TARGET and cached.is_file():
+        return str(cached)
+    from ..trees.caddtree import profile
+    max_nodes = 48
+    contexts = [c for c in (128, 512) if c + max_nodes + 1 < target.max_context] or [target.max_context // 4]
+    print(f"no cost model for {args.model}: profiling verify cost (contexts {contexts}, up to {max_nodes} nodes)",
+          file=sys.stderr)
+    cm = profile(target, drafters[adaptive[0].drafter], max_nodes=max_nodes, contexts=contexts, repeats=2)
+    path = out / "cost_model.json"
+    cm.save(path)
+    return str(path)
+
+
+def run_one(target, drafters, spec, prompt: Prompt, temperature: float, cost_model, args,
+            max_new_tokens: int | None = None) -> dict:
+    """One timed generation (text in, tokens out) -> a results.jsonl record (equality verdict unset)."""
+    import dominotree as dt
+    n = max_new_tokens or args.max_new_tokens
+    opts = spec.config(args.budget)
+    if spec.needs_cost_model:
+        opts["cost_model"] = cost_model
+    stats = {}
+    if spec.is_peer:
+        tokens, wall = run_hf_peer(target, spec, prompt.text, temperature, n, args.seed)
+        finish = "stop" if tokens and tokens[-1] in target.eos_token_ids else "length"
+    else:
+        t0 = time.perf_counter()
+        res = dt.generate(target, drafters.get(spec.drafter), prompt.text, method=spec.method, max_new_tokens=n,
+                          temperature=temperature, seed=args.seed, **opts)
+        wall = time.perf_counter() - t0
+        tokens, stats, finish = res.token_ids, res.stats, res.stats["finish_reason"]
+    return {
+        "question_id": prompt.question_id, "category": prompt.category, "dataset": prompt.dataset,
+        "method": spec.label, "base_method": spec.method, "temperature": temperature,
+        "new_tokens": len(tokens), "wall_time": wall, "tokens_per_second": len(tokens) / wall if wall > 0 else 0.0,
+        "accept_lengths": [a + 1 for a in stats.get("accepted_per_round", [])],
+        "tau": stats.get("tau"), "rounds": stats.get("rounds"),
+        "per_position_acceptance": stats.get("per_position_acceptance", []),
+        "stage_ms": stats.get("stage_ms", {}), "budgets": stats.get("budgets", []),
+        "finish_reason": finish, "config": opts, "token_ids": tokens, "text": target.decode(tokens), "equality": None,
+    }
+
+
+def warm_up(target, drafters, specs, prompt, temperature, cost_model, args) -> None:
+    if args.warmup:
+        print(f"warm-up: {args.warmup} short generation(s) per method", file=sys.stderr)
+    for _ in range(args.warmup):
+        for s in specs:
+            run_one(target, drafters, s, prompt, temperature, cost_model, args, min(8, args.max_new_tokens))
+
+
+def run_all(target, drafters, specs, prompts, encoded, temps, cost_model, args, path: Path) -> None:
+    from tqdm import tqdm
+
+    from .equality import check
+    bar = tqdm(total=len(prompts) * len(temps) * len(specs), desc="bench", unit="gen", dynamic_ncols=True)
+    with open(path, "w", encoding="utf-8") as f:
+        for prompt, ids in zip(prompts, encoded):
+            for t in temps:
+                for spec in specs:            # `ar` first: the reference for the equality check
+                    bar.set_postfix_str(f"{prompt.dataset}/{prompt.question_id} T={t} {spec.label}", refresh=False)
+                    rec = run_one(target, drafters, spec, prompt, t, cost_model, args)
+                    if spec.label == BASELINE:
+                        ref = rec["token_ids"]
+                    elif t == 0:
+                        rec["equality"] = check(target, ids, ref, rec["token_ids"], args.tie_tol)
+                    f.write(json.dumps(rec) + "\n")
+                    f.flush()
+                    bar.update()
+    bar.close()
+
+
+def verdict(records) -> int:
+    """0 when every T = 0 output matched `ar` up to near-ties; else a loud message and 1."""
+    found = problems(records)
+    ties = [r for r in found if r["equality"]["match"] == "tie"]
+    bad = [r for r in found if r["equality"]["match"] == "diverged"]
+    if ties:
+        print(f"{len(ties)} output(s) left plain decoding at a floating-point near-tie (see summary.md)",
+              file=sys.stderr)
+    if not bad:
+        return 0
+    bar = "!" * 78
+    print(f"\n{bar}\nLOSSLESSNESS CHECK FAILED: {len(bad)} output(s) at temperature 0 diverged from plain "
+          "decoding beyond a near-tie:", file=sys.stderr)
+    for r in bad:
+        e = r["equality"]
+        print(f"  {r['method']} on {r['dataset']}/{r['question_id']}: token {e['index']}, top-2 gap {e['gap']:.4g}",
+              file=sys.stderr)
+    print(bar, file=sys.stderr)
+    return 1

@@ -1,0 +1,141 @@
+"""The benchmark harness: method specs, statistics, the T=0 equality check, files, report-only."""
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+import dominotree.engine
+from dominotree.bench.equality import first_divergence
+from dominotree.bench.methods import PRESETS, expand_methods, parse_method
+from dominotree.bench.metrics import bootstrap_ci, wilcoxon_p
+from dominotree.cli import main as cli_main
+from dominotree.drafters import save_checkpoint
+
+from conftest import random_drafter
+
+FIELDS = {"question_id", "category", "dataset", "method", "temperature", "new_tokens", "wall_time",
+          "accept_lengths", "token_ids", "tau", "stage_ms", "budgets"}
+REPORTS = ["summary.md", "summary.csv", "speedup.png", "acceptance.png"]
+
+
+@pytest.fixture(scope="module")
+def bench_env(tiny_llama_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("bench_env")
+    for domino in (False, True):
+        save_checkpoint(random_drafter(domino), root / ("domino" if domino else "dflash"), dtype=torch.float32)
+    prompts = [{"dataset": "chat", "question_id": "c1", "text": "hello world the w10 w11"},
+               {"dataset": "chat", "question_id": "c2", "text": "w20 w21 w22 the world"},
+               {"dataset": "code", "question_id": "k1", "category": "coding", "text": "w40 w41 w40 w41 w40"}]
+    (root / "prompts.jsonl").write_text("".join(json.dumps(p) + "\n" for p in prompts))
+    return root
+
+
+def bench(env, model_dir, out, methods, *extra):
+    return cli_main(["bench", "--model", str(model_dir), "--dtype", "fp32",
+                     "--prompts-file", str(env / "prompts.jsonl"), "--dflash-drafter", str(env / "dflash"),
+                     "--domino-drafter", str(env / "domino"),
+                     "--methods", methods, "--out", str(out), "--max-new-tokens", "12", *extra])
+
+
+def read_jsonl(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_full_run_writes_files_passes_equality_and_report_only_reproduces(bench_env, tiny_llama_dir, tmp_path):
+    out = tmp_path / "run"
+    methods = ("ar,dflash,domino,ddtree,caddtree,dominotree,condadaptive,hf-ar,hf-prompt-lookup,"
+               "ddtree:drafter=domino,dominotree:budget=4")
+    rc = bench(bench_env, tiny_llama_dir, out, methods, "--temperatures", "0,1.0", "--max-samples", "2")
+    assert rc == 0
+    for name in REPORTS + ["results.jsonl", "run.json", "cost_model.json", "tau_vs_budget.png"]:
+        assert (out / name).is_file(), name
+    recs = read_jsonl(out / "results.jsonl")
+    labels = ["ar", "dflash", "domino", "ddtree", "caddtree", "dominotree", "condadaptive", "hf-ar",
+              "hf-prompt-lookup", "ddtree:drafter=domino", "dominotree:budget=4"]
+    assert len(recs) == 3 * 2 * len(labels)
+    assert [r["method"] for r in recs[:len(labels)]] == labels          # interleaved per prompt, ar first
+    for r in recs:
+        assert FIELDS <= set(r), FIELDS - set(r)
+        assert r["new_tokens"] == len(r["token_ids"]) > 0 and r["wall_time"] > 0
+        if r["base_method"] not in ("ar", "hf-ar", "hf-prompt-lookup"):
+            assert r["tau"] >= 1 and sum(r["accept_lengths"]) + 1 >= r["new_tokens"]
+        if r["temperature"] == 0 and r["method"] != "ar":
+            assert r["equality"]["match"] in ("exact", "tie")
+    assert any(r["budgets"] for r in recs if r["method"] == "condadaptive")
+    assert recs[0]["config"] == {} and recs[1]["config"]["budget"] == 16
+    assert next(r for r in recs if r["method"].startswith("dominotree:"))["config"] == {"budget": 4}
+    md = (out / "summary.md").read_text()
+    assert "dominotree bench --methods ar,dflash," in md and "| all | dominotree |" in md and "FAILED" not in md
+
+    again = tmp_path / "again"
+    again.mkdir()
+    for name in ("results.jsonl", "run.json"):
+        shutil.copy(out / name, again / name)
+    assert cli_main(["bench", "--report-only", str(again)]) == 0
+    for name in REPORTS + ["tau_vs_budget.png"]:
+        assert (again / name).read_bytes() == (out / name).read_bytes(), name
+
+
+def test_a_lossy_method_fails_the_equality_check(bench_env, tiny_llama_dir, tmp_path, monkeypatch, capsys):
+    def accept_everything(tree, logits, temperature=0.0, top_k=0, top_p=1.0, generator=None):
+        kids, path = tree.children(), [0]
+        while kids[path[-1]]:
+            path.append(kids[path[-1]][0])
+        return path, int(logits[path[-1]].argmax())
+    monkeypatch.setattr(dominotree.engine, "accept", accept_everything)
+    out = tmp_path / "broken"
+    rc = bench(bench_env, tiny_llama_dir, out, "ar,dflash", "--max-samples", "1", "--warmup", "0", "--tie-tol", "0")
+    assert rc == 1
+    assert "LOSSLESSNESS CHECK FAILED" in capsys.readouterr().err
+    recs = read_jsonl(out / "results.jsonl")
+    assert any(r["equality"] and r["equality"]["match"] == "diverged" for r in recs)
+    assert "FAILED" in (out / "summary.md").read_text()
+    assert cli_main(["bench", "--report-only", str(out)]) == 1     # the verdict survives a re-derivation
+
+
+def test_bootstrap_ci_contains_the_mean_and_is_deterministic():
+    x = np.random.default_rng(1).lognormal(0.5, 0.4, size=30)
+    lo, hi = bootstrap_ci(x)
+    assert lo < x.mean() < hi
+    assert bootstrap_ci(x) == (lo, hi)
+    assert bootstrap_ci([2.0]) == (2.0, 2.0)
+
+
+def test_wilcoxon_separates_clearly_different_samples():
+    rng = np.random.default_rng(0)
+    a = rng.normal(10, 1, size=20)
+    assert wilcoxon_p(a, a + 2 + rng.normal(0, 0.1, size=20)) < 1e-3
+    assert wilcoxon_p(a, a + rng.normal(0, 1, size=20)) > 0.01
+    assert wilcoxon_p(a, a) is None and wilcoxon_p([1.0], [2.0]) is None
+
+
+def test_method_specs_and_presets():
+    m = parse_method("dominotree:budget=32,corr_topm=0,normalization=exact")
+    assert (m.method, m.drafter, m.options) == ("dominotree", "domino",
+                                                {"budget": 32, "corr_topm": None, "normalization": "exact"})
+    assert parse_method("ddtree").drafter == "dflash" and parse_method("ddtree:drafter=domino").drafter == "domino"
+    assert parse_method("hf-ar").is_peer and parse_method("caddtree").needs_cost_model
+    labels = [s.label for s in expand_methods("dominotree:budget=32,corr_topm=16,ddtree", None)]
+    assert labels == ["ar", "dominotree:budget=32,corr_topm=16", "ddtree"]
+    assert [s.label for s in expand_methods(None, "ladder")] == ["ar"] + PRESETS["ladder"]
+    assert len(expand_methods(None, "budget")) == 11 and len(expand_methods("ar,ddtree", "norm")) == 4
+    for bad in ("nope", "dominotree:budgett=3", "dominotree:budget=0", "domino:drafter=dflash", "hf-ar:x=1",
+                "dominotree:conditioning=weird", "dominotree:budget"):
+        with pytest.raises(ValueError):
+            parse_method(bad)
+
+
+def test_bad_flags_exit_2_without_a_traceback(capsys):
+    assert cli_main(["bench", "--methods", "nope", "--out", "x"]) == 2
+    assert cli_main(["bench", "--preset", "ladder", "--temperatures", "-1", "--out", "x"]) == 2
+    assert cli_main(["bench"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown method 'nope'" in err and "Traceback" not in err
+
+
+def test_first_divergence():
+    assert first_divergence([1, 2, 3], [1, 2, 3]) is None
+    assert first_divergence([1, 2, 3], [1, 5, 3]) == 1
+    assert first_divergence([1, 2], [1, 2, 3]) == 2
