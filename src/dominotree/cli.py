@@ -146,7 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_parser(sub)
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
-    model_flags(s, "smollm2-135m-domino")
+    model_flags(s)   # default drafter: chosen by the method, as in `generate`
     s.add_argument("--method", default="dominotree", choices=METHODS)
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
