@@ -58,3 +58,17 @@ def test_models_lists_named_models(capsys):
     code, out, _ = run_cli(capsys, "models", "--json")
     names = {r["name"] for r in json.loads(out)}
     assert {"smollm2-135m", "smollm2-135m-dflash", "smollm2-135m-domino"} <= names
+
+
+def test_train_stages_from_the_cli(tiny_llama_dir, tiny_target, tmp_path, capsys):
+    import dominotree as dt
+    work = str(tmp_path / "w")
+    base = ["--model", str(tiny_llama_dir), "--workdir", work]
+    assert main(["train", "data", *base, "--num-prompts", "12", "--max-new-tokens", "16"]) == 0
+    assert main(["train", "features", *base, "--layers", "1,2"]) == 0
+    assert main(["train", "dflash", *base, "--steps", "3", "--num-layers", "1", "--seqs-per-step", "2",
+                 "--anchors-per-seq", "2"]) == 0
+    drafter = dt.load_drafter(f"{work}/dflash/model", target=tiny_target)
+    assert drafter.config.target_layer_ids == [1, 2] and drafter.config.shift_label
+    code, _, err = run_cli(capsys, "train", "dflash", *base[:2], "--workdir", str(tmp_path / "empty"))
+    assert code == 2 and "features" in err

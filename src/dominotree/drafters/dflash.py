@@ -86,6 +86,8 @@ class DrafterConfig:
 
     def to_hf_dict(self) -> dict:
         dc = {"mask_token_id": self.mask_token_id, "target_layer_ids": self.target_layer_ids}
+        if self.shift_label:
+            dc["shift_label"] = True      # block position d predicts depth d + 1
         arch = "DFlashDraftModel"
         d = {
             "architectures": [arch], "model_type": "qwen3", "hidden_size": self.hidden_size,

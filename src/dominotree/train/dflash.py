@@ -35,9 +35,9 @@ class TrainConfig:
     # architecture
     num_layers: int = 2
     block_size: int = 16
-    intermediate_size: int = 1536
-    num_heads: int = 9
-    num_kv_heads: int = 3
+    intermediate_size: int | None = None   # None: the target's (as are the head counts)
+    num_heads: int | None = None
+    num_kv_heads: int | None = None
     mask_token_id: int = 16
     # Domino head (head=False: a plain DFlash drafter)
     head: bool = False
@@ -54,10 +54,12 @@ class TrainConfig:
 def drafter_config(tc: TrainConfig, target, layer_ids) -> DrafterConfig:
     t = target.config
     rope = getattr(t, "rope_parameters", None) or {}
+    heads = tc.num_heads or t.num_attention_heads
+    kv = tc.num_kv_heads or getattr(t, "num_key_value_heads", heads)
     return DrafterConfig(
-        hidden_size=target.hidden_size, num_hidden_layers=tc.num_layers, num_attention_heads=tc.num_heads,
-        num_key_value_heads=tc.num_kv_heads, head_dim=target.hidden_size // tc.num_heads,
-        intermediate_size=tc.intermediate_size, vocab_size=target.vocab_size,
+        hidden_size=target.hidden_size, num_hidden_layers=tc.num_layers, num_attention_heads=heads,
+        num_key_value_heads=kv, head_dim=target.hidden_size // heads,
+        intermediate_size=tc.intermediate_size or t.intermediate_size, vocab_size=target.vocab_size,
         num_target_layers=target.num_layers, target_layer_ids=list(layer_ids), mask_token_id=tc.mask_token_id,
         block_size=tc.block_size, rms_norm_eps=float(getattr(t, "rms_norm_eps", 1e-6)),
         rope_theta=float(rope.get("rope_theta", getattr(t, "rope_theta", 10000.0))),

@@ -9,12 +9,16 @@ import shutil
 from pathlib import Path
 
 # The recipe for SmolLM2-135M (30 layers, hidden 576), sized for a 2-core CPU (see docs/TRAINING.md).
-RECIPE = dict(layer_ids=[1, 14, 27], num_layers=2, block_size=16, emb_dim=128, gru_hidden_dim=256)
+# Both drafters use shift_label (block position d predicts depth d + 1: 16 depths per block), so the
+# Domino run can start from the trained DFlash backbone.
+RECIPE = dict(layer_ids=[1, 14, 27], num_layers=2, block_size=16, emb_dim=128, gru_hidden_dim=256,
+              shift_label=True, dflash_steps=600, domino_steps=450, seqs_per_step=8, anchors_per_seq=12)
 
 
 def add_train_parser(sub) -> None:
     t = sub.add_parser("train", help="train drafters for a target (data, features, dflash, domino, all)")
     ts = t.add_subparsers(dest="stage", required=True)
+    t.set_defaults(func=main)
 
     def common(sp):
         sp.add_argument("--model", default="smollm2-135m")
@@ -34,10 +38,11 @@ def add_train_parser(sub) -> None:
         r = ts.add_parser(name, help=f"train a {name} drafter on the cached features")
         common(r)
         r.add_argument("--out", default=None, help=f"run dir (default WORKDIR/{name})")
-        r.add_argument("--steps", type=int, default=1500)
+        r.add_argument("--steps", type=int, default=RECIPE[f"{name}_steps"])
         r.add_argument("--lr", type=float, default=1e-3)
-        r.add_argument("--seqs-per-step", type=int, default=8)
-        r.add_argument("--anchors-per-seq", type=int, default=16)
+        r.add_argument("--seqs-per-step", type=int, default=RECIPE["seqs_per_step"])
+        r.add_argument("--anchors-per-seq", type=int, default=RECIPE["anchors_per_seq"])
+        r.add_argument("--init-from", default=None, help="start the backbone from this drafter checkpoint dir")
         r.add_argument("--num-layers", type=int, default=RECIPE["num_layers"])
         if name == "domino":
             r.add_argument("--no-head", action="store_true", help="ablation: backbone only")
@@ -49,7 +54,6 @@ def add_train_parser(sub) -> None:
     a = ts.add_parser("all", help="data -> features -> dflash -> domino -> checkpoints/")
     common(a)
     a.add_argument("--num-prompts", type=int, default=12000)
-    a.add_argument("--steps", type=int, default=1500)
 
 
 def _target(args):
@@ -79,9 +83,10 @@ def run_train(args, name: str, target=None):
     head = name == "domino" and not getattr(args, "no_head", False)
     tc = TrainConfig(
         out=args.out or str(Path(args.workdir) / name), steps=args.steps, lr=getattr(args, "lr", 1e-3),
-        seqs_per_step=getattr(args, "seqs_per_step", 8), anchors_per_seq=getattr(args, "anchors_per_seq", 16),
+        seqs_per_step=getattr(args, "seqs_per_step", RECIPE["seqs_per_step"]),
+        anchors_per_seq=getattr(args, "anchors_per_seq", RECIPE["anchors_per_seq"]),
         num_layers=getattr(args, "num_layers", RECIPE["num_layers"]), block_size=RECIPE["block_size"],
-        head=head, shift_label=head,
+        head=head, shift_label=RECIPE["shift_label"], init_from=getattr(args, "init_from", None),
         emb_dim=getattr(args, "emb_dim", RECIPE["emb_dim"]), gru_hidden_dim=getattr(args, "gru_hidden_dim", RECIPE["gru_hidden_dim"]),
         ttt=getattr(args, "ttt", False), curriculum=not getattr(args, "no_curriculum", False))
     train(target, store, tc)
@@ -100,9 +105,11 @@ def main(args) -> int:
         target = _target(args)
         run_data(args, target)
         run_features(args, target)
+        init = None
         for name in ("dflash", "domino"):
-            ns = argparse.Namespace(**vars(args), out=None)
+            ns = argparse.Namespace(**vars(args), out=None, steps=RECIPE[f"{name}_steps"], init_from=init)
             model = run_train(ns, name, target)
+            init = str(model)         # Domino starts from the trained DFlash backbone
             dest = checkpoints_dir() / f"smollm2-135m-{name}"
             if dest.exists():
                 shutil.rmtree(dest)
