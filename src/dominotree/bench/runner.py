@@ -49,6 +49,9 @@ def add_bench_parser(sub) -> None:
                    help="top-2 logit gap at or below which a T=0 divergence counts as a floating-point near-tie")
     b.add_argument("--report-only", metavar="DIR", default=None,
                    help="re-derive summary.md, summary.csv and plots from DIR/results.jsonl")
+    b.add_argument("--build-time", action="store_true",
+                   help="instead: DominoTree build ms per round, reference vs fast builder, on drafts recorded "
+                        "from real rounds (identical trees checked); writes DIR/build_time.json")
     b.add_argument("--prompts-file", default=None, help=argparse.SUPPRESS)   # JSONL of {text, ...} (tests)
     b.set_defaults(func=main)
 
@@ -70,6 +73,8 @@ def main(args) -> int:
 
     import dominotree as dt
     target = dt.load_target(args.model, dtype=args.dtype)
+    if args.build_time:
+        return build_time(args, target, prompts)
     names = {"dflash": args.dflash_drafter, "domino": args.domino_drafter}
     drafters = {k: dt.load_drafter(names[k], target=target) for k in dict.fromkeys(s.drafter for s in specs) if k}
     out = Path(args.out)
@@ -85,6 +90,20 @@ def main(args) -> int:
     _, records = write_reports(out)
     print(f"results and reports in {out}", file=sys.stderr)
     return verdict(records)
+
+
+def build_time(args, target, prompts) -> int:
+    import dominotree as dt
+    from .build_time import record_drafts, time_builders
+    drafter = dt.load_drafter(args.domino_drafter, target=target)
+    drafts = record_drafts(target, drafter, [p.text for p in prompts], args.max_new_tokens, args.budget)
+    res = {"command": command_line(args), **time_builders(target, drafter, drafts, budget=args.budget)}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "build_time.json").write_text(json.dumps(res, indent=1) + "\n")
+    print(f"DominoTree build per round over {res['rounds']} recorded rounds (budget {res['budget']}): reference "
+          f"{res['reference_ms']:.2f} ms, fast {res['fast_ms']:.2f} ms ({res['speedup']:.2f}x), identical trees")
+    return 0
 
 
 def _floats(text: str, flag: str) -> list[float]:
@@ -126,8 +145,9 @@ def command_line(args) -> str:
     parts = ["dominotree", "bench"]
     for k, v in vars(args).items():
         skip = ("command", "func", "report_only") + (("datasets",) if args.prompts_file else ())
-        if k not in skip and v is not None:
-            parts += [f"--{k.replace('_', '-')}", str(v)]
+        if k in skip or v is None or v is False:
+            continue
+        parts += [f"--{k.replace('_', '-')}"] + ([] if v is True else [str(v)])
     return shlex.join(parts)
 
 
