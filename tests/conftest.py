@@ -44,20 +44,22 @@ def tiny_config_kwargs(seed_layers=4):
                 rope_theta=10000.0)
 
 
+def build_tiny(model_cls, config_cls, seed, path):
+    """A tiny random HF model (and the word-level tokenizer) saved as a local model directory."""
+    torch.manual_seed(seed)
+    model = model_cls(config_cls(**tiny_config_kwargs()))
+    _sharpen(model)
+    return _save(model, path)
+
+
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory):
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(**tiny_config_kwargs()))
-    _sharpen(model)
-    return _save(model, tmp_path_factory.mktemp("tiny_llama"))
+    return build_tiny(LlamaForCausalLM, LlamaConfig, 0, tmp_path_factory.mktemp("tiny_llama"))
 
 
 @pytest.fixture(scope="session")
 def tiny_qwen3_dir(tmp_path_factory):
-    torch.manual_seed(1)
-    model = Qwen3ForCausalLM(Qwen3Config(**tiny_config_kwargs()))
-    _sharpen(model)
-    return _save(model, tmp_path_factory.mktemp("tiny_qwen3"))
+    return build_tiny(Qwen3ForCausalLM, Qwen3Config, 1, tmp_path_factory.mktemp("tiny_qwen3"))
 
 
 def _sharpen(model):
