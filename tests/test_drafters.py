@@ -168,3 +168,24 @@ def test_drafter_that_does_not_fit(tiny_target, field, value, match):
 def test_unknown_drafter_name():
     with pytest.raises(dt.ModelNotFoundError, match="unknown drafter"):
         dt.load_drafter("nope-drafter")
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("topm", [2, 96])
+def test_domino_chain_is_the_full_vocabulary_argmax(tiny_target, seed, topm):
+    """The chain is the full-vocabulary argmax of the corrected logits: compare with a plain loop."""
+    d = random_drafter(True, seed=seed)
+    tiny_target.set_taps(d.target_layer_ids)
+    d.reset()
+    d.add_context(tiny_target.prefill([1, 5, 6, 7]).features, 0)
+    out = d.draft(9, 4, tiny_target)
+    tokens, _ = d.chain(out, 9, tiny_target, d.num_depths, topm=topm)
+    state = d.head.gru_step(d.head.zero_state(1), tiny_target.embed(torch.tensor([9])))
+    ref = []
+    for k in range(1, d.num_depths + 1):
+        logits = out.base_logits[k - 1]
+        if k > d.prefix_len:
+            logits = logits + d.head.correction(out.hidden[k - 1][None], state)[0]
+        ref.append(int(torch.argmax(logits)))
+        state = d.head.gru_step(state, tiny_target.embed(torch.tensor([ref[-1]])))
+    assert tokens == ref

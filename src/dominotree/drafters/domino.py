@@ -79,18 +79,29 @@ class DominoDrafter(DFlashDrafter):
         return self.head.gru_step(self.head.zero_state(1), emb)
 
     @torch.inference_mode()
-    def chain(self, draft: DraftOutput, root: int, target, depth: int) -> tuple[list[int], list[float]]:
-        """The Domino chain: greedy tokens and their (corrected) log-probs for depths 1..depth."""
+    def chain(self, draft: DraftOutput, root: int, target, depth: int, topm: int = 64) -> tuple[list[int], list[float]]:
+        """The Domino chain: tokens argmax(L_base + Delta L) over the whole vocabulary, depths 1..depth.
+
+        Only the argmax is taken over the vocabulary (one W2 product per depth); the log-probs
+        that label the chain's nodes are normalised over the top-`topm` base candidates."""
+        w2 = self.head.embed_proj[2].weight
+        base_all = draft.base_logits[:depth]
+        cand_all = torch.topk(base_all, min(topm, base_all.shape[-1]), dim=-1).indices
         state = self.root_state(root, target)
         tokens, logps = [], []
         for d in range(1, depth + 1):
-            logits = draft.base_logits[d - 1]
-            if d > self.prefix_len:
-                logits = logits + self.head.correction(draft.hidden[d - 1][None], state)[0].float()
-            lp = torch.log_softmax(logits, -1)
-            tok = int(torch.argmax(lp))
+            base = base_all[d - 1]
+            if d <= self.prefix_len:
+                tok = int(torch.argmax(base))
+                lp_tok = float(torch.log_softmax(base, -1)[tok])
+            else:
+                corr = F.linear(self.head.low_rank(draft.hidden[d - 1][None], state)[0], w2)
+                full = base + corr.float()
+                tok = int(torch.argmax(full))
+                cand = cand_all[d - 1]
+                lp_tok = float(full[tok] - torch.logsumexp(full[cand], -1)) if bool((cand == tok).any()) else float("-inf")
             tokens.append(tok)
-            logps.append(float(lp[tok]))
+            logps.append(lp_tok)
             if d < depth:
                 state = self.head.gru_step(state, target.embed(torch.tensor([tok])))
         return tokens, logps
