@@ -1,6 +1,5 @@
 """Speculative methods are lossless at T = 0: chains and trees equal plain greedy decoding."""
 import pytest
-import torch
 
 import dominotree as dt
 from conftest import random_drafter

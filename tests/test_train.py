@@ -2,7 +2,6 @@
 that loads, fits the target, and proposes better than chance."""
 import json
 
-import numpy as np
 import pytest
 import torch
 
@@ -10,7 +9,7 @@ import dominotree as dt
 from dominotree.train.blocks import make_batch
 from dominotree.train.data import generate_data, read_shards
 from dominotree.train.dflash import TrainConfig, train
-from dominotree.train.features import FeatureStore, build_feature_store
+from dominotree.train.features import build_feature_store
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,4 @@
 """Acceptance rules. Sample-and-match keeps the target's exact distribution (with a negative control)."""
-import itertools
 import math
 from collections import Counter
 

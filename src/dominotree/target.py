@@ -194,7 +194,10 @@ class TargetModel:
                 raise ValueError("empty prompt: no messages")
             messages = list(prompt)
         elif raw or not getattr(tok, "chat_template", None):
-            return tok.encode(prompt, add_special_tokens=False) or _raise_empty()
+            ids = tok.encode(prompt, add_special_tokens=False)
+            if not ids:
+                raise ValueError("empty prompt")
+            return ids
         else:
             messages = [{"role": "user", "content": prompt}]
         ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
@@ -204,10 +207,6 @@ class TargetModel:
 
     def decode(self, token_ids) -> str:
         return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
-
-
-def _raise_empty():
-    raise ValueError("empty prompt")
 
 
 def load_target(name_or_path: str = "smollm2-135m", dtype: str | torch.dtype | None = None,

@@ -22,8 +22,8 @@ def process_logits(logits: torch.Tensor, temperature: float, top_k: int = 0, top
         x = x.masked_fill(x < kth, float("-inf"))
     if top_p < 1.0:
         sorted_x, order = torch.sort(x, dim=-1, descending=True)
-        cum = sorted_x.softmax(-1).cumsum(-1)
-        drop = cum - sorted_x.softmax(-1) >= top_p   # keep the smallest prefix reaching top_p
+        p = sorted_x.softmax(-1)
+        drop = p.cumsum(-1) - p >= top_p              # keep the smallest prefix reaching top_p
         drop[..., 0] = False
         x = x.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
     return x.softmax(-1)

@@ -14,6 +14,14 @@ import torch.nn.functional as F
 from .dflash import DFlashBackbone, DFlashDrafter, DraftOutput, DrafterConfig
 
 
+def gru_cell(state: torch.Tensor, x: torch.Tensor, w_ih: torch.Tensor, w_hh: torch.Tensor) -> torch.Tensor:
+    """One bias-free GRU step (gate order r, z, n as torch.nn.GRU)."""
+    i_r, i_z, i_n = F.linear(x, w_ih).chunk(3, -1)
+    h_r, h_z, h_n = F.linear(state, w_hh).chunk(3, -1)
+    r, z = torch.sigmoid(i_r + h_r), torch.sigmoid(i_z + h_z)
+    return (1 - z) * torch.tanh(i_n + r * h_n) + z * state
+
+
 class DominoHead(nn.Module):
     def __init__(self, c: DrafterConfig):
         super().__init__()
@@ -28,14 +36,7 @@ class DominoHead(nn.Module):
 
     def gru_step(self, state: torch.Tensor, token_emb: torch.Tensor) -> torch.Tensor:
         """One GRU step for a batch: state [n, G], token_emb [n, h] -> [n, G] (gates r, z, n as torch)."""
-        gi = F.linear(token_emb.to(state.dtype), self.prefix_gru.weight_ih_l0)
-        gh = F.linear(state, self.prefix_gru.weight_hh_l0)
-        i_r, i_z, i_n = gi.chunk(3, -1)
-        h_r, h_z, h_n = gh.chunk(3, -1)
-        r = torch.sigmoid(i_r + h_r)
-        z = torch.sigmoid(i_z + h_z)
-        n = torch.tanh(i_n + r * h_n)
-        return (1 - z) * n + z * state
+        return gru_cell(state, token_emb.to(state.dtype), self.prefix_gru.weight_ih_l0, self.prefix_gru.weight_hh_l0)
 
     def teacher_forced_states(self, token_embs: torch.Tensor) -> torch.Tensor:
         """GRU outputs over ground-truth embeddings [B, T, h] from a zero state: [B, T, G]."""

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from ..drafters import DFlashBackbone, DominoHead, DrafterConfig, build_drafter, save_checkpoint
+from ..drafters import DFlashBackbone, DrafterConfig, build_drafter, save_checkpoint
 from .blocks import depth_weights, make_batch
 from .features import FeatureStore
 

@@ -12,6 +12,7 @@ import heapq
 import torch
 import torch.nn.functional as F
 
+from ..drafters.domino import gru_cell
 from .fast import HeadWeights
 from .tree import DraftTree
 
@@ -42,11 +43,7 @@ class CudaGraphDominoBuilder:
     def _step(self):
         s_par = self.states.index_select(0, self.parent)
         x = self.embed.index_select(0, self.tok)
-        gi, gh = F.linear(x, self.w_ih), F.linear(s_par, self.w_hh)
-        i_r, i_z, i_n = gi.chunk(3, -1)
-        h_r, h_z, h_n = gh.chunk(3, -1)
-        r, zg = torch.sigmoid(i_r + h_r), torch.sigmoid(i_z + h_z)
-        s = (1 - zg) * torch.tanh(i_n + r * h_n) + zg * s_par
+        s = gru_cell(s_par, x, self.w_ih, self.w_hh)
         self.states.index_copy_(0, self.slot, s)
         zz = F.silu(self.zh.index_select(0, self.depth) + F.linear(s, self.w1_s))
         corrected = self.base_c.index_select(0, self.depth) + torch.einsum(
@@ -81,11 +78,8 @@ class CudaGraphDominoBuilder:
             top = torch.topk(torch.log_softmax(base_logits[d - 1], -1), self.k)
             prefix[d] = (top.indices.tolist(), top.values.tolist())
         # root state = one GRU step from zero over the root token (slot 0)
-        x = self.embed[root_token][None]
-        gi = F.linear(x, self.w_ih)
-        i_r, i_z, i_n = gi.chunk(3, -1)
-        zg = torch.sigmoid(i_z)
-        self.states[0] = ((1 - zg) * torch.tanh(i_n + torch.sigmoid(i_r) * 0))[0]
+        zero = torch.zeros(1, self.w_hh.shape[1], device=self.dev)
+        self.states[0] = gru_cell(zero, self.embed[root_token][None], self.w_ih, self.w_hh)[0]
         if self.graph is None:
             self._capture()
 

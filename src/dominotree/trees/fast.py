@@ -15,6 +15,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from ..drafters.domino import gru_cell
 from .dominotree import _embedder, depth_candidates, greedy_chain_states
 from .tree import DraftTree
 
@@ -31,11 +32,7 @@ class HeadWeights:
         self.w2 = head.embed_proj[2].weight.detach().float()
 
     def gru(self, state, x):
-        gi, gh = F.linear(x, self.w_ih), F.linear(state, self.w_hh)
-        i_r, i_z, i_n = gi.chunk(3, -1)
-        h_r, h_z, h_n = gh.chunk(3, -1)
-        r, z = torch.sigmoid(i_r + h_r), torch.sigmoid(i_z + h_z)
-        return (1 - z) * torch.tanh(i_n + r * h_n) + z * state
+        return gru_cell(state, x, self.w_ih, self.w_hh)
 
 
 def build_dominotree_fast(base_logits: torch.Tensor, hidden: torch.Tensor, head, embed, root_token: int,
