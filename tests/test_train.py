@@ -63,7 +63,7 @@ def test_blocks_see_only_the_context_before_their_anchor(tiny_data):
             assert b.labels[i, n, :len(d_ok)].tolist() == [int(toks[a + d]) for d in d_ok]
 
 
-@pytest.mark.parametrize("head, extra", [(False, {}), (True, {}), (True, {"ttt": True}),
+@pytest.mark.parametrize("head, extra", [(False, {}), (False, {"vocab": "full"}), (True, {}), (True, {"ttt": True}),
                                          (True, {"curriculum": False})])
 def test_training_learns_and_saves_a_loadable_drafter(tiny_target, tiny_data, tmp_path, head, extra):
     _, store = tiny_data
@@ -93,3 +93,16 @@ def test_training_resumes(tiny_target, tiny_data, tmp_path):
     train(tiny_target, store, TrainConfig(steps=10, **kw), progress=False)
     log = [json.loads(l) for l in open(tmp_path / "r" / "log.jsonl")]
     assert [r["step"] for r in log] == [5, 10]
+
+
+def test_training_vocab_is_the_data_tokens(tiny_data):
+    from dominotree.train.dflash import training_vocab
+    _, store = tiny_data
+    ids, remap = training_vocab(store, 96, "data")
+    seen = set(int(t) for t in store.tokens)
+    assert 0 < len(seen) < 96 and set(ids.tolist()) == seen
+    assert all(int(ids[remap[t]]) == t for t in seen)
+    assert (remap[[t for t in range(96) if t not in seen]] == -1).all()
+    assert training_vocab(store, 96, "full")[0].tolist() == list(range(96))
+    with pytest.raises(ValueError, match="vocab"):
+        training_vocab(store, 96, "top")

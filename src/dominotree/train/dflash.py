@@ -8,6 +8,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from tqdm import tqdm
@@ -48,6 +49,11 @@ class TrainConfig:
     curriculum: bool = True       # lambda 1 -> 0 linearly; False: final-logit loss only
     ttt: bool = False             # GRU fed its own drafts instead of the ground truth
     init_from: str | None = None  # start the backbone from a trained drafter checkpoint dir
+    # "data": the softmax of the loss runs over the tokens that occur in the training data (~10k of
+    # SmolLM2's 49k; the LM-head product is most of a step's cost) plus `negatives` other tokens drawn
+    # afresh each step, so that the drafter also learns to keep the unseen ones down. "full": all tokens.
+    vocab: str = "data"
+    negatives: int = 2048
     extra: dict = field(default_factory=dict)
 
 
@@ -97,6 +103,8 @@ def train(target, store: FeatureStore, tc: TrainConfig, progress: bool = True):
                              {"params": no_decay, "weight_decay": 0.0}], lr=tc.lr, betas=(0.9, 0.95))
     embed_w = target.model.get_input_embeddings().weight.detach().to(torch.bfloat16)
     head_w = target.model.get_output_embeddings().weight.detach().to(torch.bfloat16)
+    seen, remap = training_vocab(store, cfg.vocab_size, tc.vocab)
+    unseen = (remap < 0).nonzero()[:, 0]
     weights = depth_weights(cfg.num_depths, tc.gamma)
     state_file, log_file = out / "train_state.pt", out / "log.jsonl"
     step = 0
@@ -116,12 +124,15 @@ def train(target, store: FeatureStore, tc: TrainConfig, progress: bool = True):
         idx = torch.randint(len(store), (tc.seqs_per_step,), generator=gen).tolist()
         batch = make_batch([store.sequence(i) for i in idx], cfg.block_size, tc.anchors_per_seq,
                            cfg.num_depths, cfg.mask_token_id, gen)
+        batch.labels = torch.where(batch.labels >= 0, remap[batch.labels.clamp_min(0)], batch.labels)
+        neg = unseen[torch.randperm(len(unseen), generator=gen)[:tc.negatives]]
+        vocab_ids = torch.cat([seen, neg])                        # labels index the `seen` part
         lam = max(0.0, 1.0 - step / max(1, tc.steps - 1)) if tc.curriculum else 0.0
         for g in opt.param_groups:
             g["lr"] = lr_at(step, tc)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             hid = block_hidden(drafter.backbone, batch, embed_w, cfg)
-            loss, metrics = domino_loss(drafter, hid, batch, embed_w, head_w, weights, cfg, lam, tc)
+            loss, metrics = domino_loss(drafter, hid, batch, embed_w, head_w[vocab_ids], vocab_ids, weights, cfg, lam, tc)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         gnorm = torch.nn.utils.clip_grad_norm_(params, tc.clip)
@@ -147,6 +158,19 @@ def train(target, store: FeatureStore, tc: TrainConfig, progress: bool = True):
     save_checkpoint(drafter, out / "model")
     plot_log(log_file, out / "loss.png")
     return drafter
+
+
+def training_vocab(store: FeatureStore, vocab_size: int, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids the loss's softmax runs over, and the map token id -> column (-1: not in it)."""
+    if mode == "full":
+        ids = torch.arange(vocab_size)
+    elif mode == "data":
+        ids = torch.from_numpy(np.unique(np.asarray(store.tokens))).long()
+    else:
+        raise ValueError(f"vocab must be 'data' or 'full', got {mode!r}")
+    remap = torch.full((vocab_size,), -1, dtype=torch.long)
+    remap[ids] = torch.arange(len(ids))
+    return ids, remap
 
 
 def block_hidden(backbone: DFlashBackbone, batch, embed_w, cfg: DrafterConfig) -> torch.Tensor:

@@ -12,8 +12,9 @@ import torch.nn.functional as F
 from .dflash import accept_len, weighted_ce
 
 
-def domino_loss(drafter, hid, batch, embed_w, head_w, weights, cfg, lam, tc):
-    base = F.linear(hid, head_w)                              # [B, N, D, V]
+def domino_loss(drafter, hid, batch, embed_w, head_w, vocab_ids, weights, cfg, lam, tc):
+    """head_w holds the LM-head rows of vocab_ids (the training vocabulary); labels are columns of it."""
+    base = F.linear(hid, head_w)                              # [B, N, D, V']
     loss_base, hits_base = weighted_ce(base, batch.labels, weights)
     metrics = {"loss_base": float(loss_base.detach()), "accept_len_base": accept_len(hits_base)}
     if not tc.head:
@@ -22,11 +23,11 @@ def domino_loss(drafter, hid, batch, embed_w, head_w, weights, cfg, lam, tc):
     B, N, D, h = hid.shape
     prefix = cfg.pure_draft_prefix_len
     if tc.ttt:
-        final = ttt_logits(head, hid, base, batch, embed_w, prefix)
+        final = ttt_logits(head, hid, base, batch, embed_w, vocab_ids, prefix)
     else:
         truth = batch.truth[:, :, :D].reshape(B * N, D)          # anchor, then true depths 1..D-1
         states = head.teacher_forced_states(embed_w[truth].float()).view(B, N, D, -1)
-        corr = head.embed_proj(torch.cat([hid, states.to(hid.dtype)], -1))
+        corr = head.correction(hid, states.to(hid.dtype), vocab_ids)
         keep = (torch.arange(1, D + 1) > prefix).view(1, 1, D, 1)
         final = base + corr * keep
     loss_final, hits_final = weighted_ce(final, batch.labels, weights)
@@ -34,7 +35,7 @@ def domino_loss(drafter, hid, batch, embed_w, head_w, weights, cfg, lam, tc):
     return lam * loss_base + (1 - lam) * loss_final, metrics
 
 
-def ttt_logits(head, hid, base, batch, embed_w, prefix):
+def ttt_logits(head, hid, base, batch, embed_w, vocab_ids, prefix):
     """Training-time test: the GRU advances on its own (detached) argmax drafts."""
     B, N, D, _ = hid.shape
     state = head.zero_state(B * N, dtype=torch.float32)
@@ -43,8 +44,8 @@ def ttt_logits(head, hid, base, batch, embed_w, prefix):
     for d in range(1, D + 1):
         logits = base[:, :, d - 1]
         if d > prefix:
-            logits = logits + head.embed_proj(torch.cat([hid[:, :, d - 1], state.view(B, N, -1).to(hid.dtype)], -1))
+            logits = logits + head.correction(hid[:, :, d - 1], state.view(B, N, -1).to(hid.dtype), vocab_ids)
         outs.append(logits)
-        tok = logits.detach().argmax(-1).reshape(-1)
+        tok = vocab_ids[logits.detach().argmax(-1).reshape(-1)]
         state = head.gru_step(state, embed_w[tok].float())
     return torch.stack(outs, 2)

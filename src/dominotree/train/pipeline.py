@@ -44,6 +44,8 @@ def add_train_parser(sub) -> None:
         r.add_argument("--anchors-per-seq", type=int, default=RECIPE["anchors_per_seq"])
         r.add_argument("--init-from", default=None, help="start the backbone from this drafter checkpoint dir")
         r.add_argument("--num-layers", type=int, default=RECIPE["num_layers"])
+        r.add_argument("--vocab", choices=["data", "full"], default="data",
+                       help="softmax of the loss over the tokens seen in the data (fast) or the whole vocabulary")
         if name == "domino":
             r.add_argument("--no-head", action="store_true", help="ablation: backbone only")
             r.add_argument("--ttt", action="store_true", help="ablation: GRU fed its own drafts")
@@ -88,7 +90,8 @@ def run_train(args, name: str, target=None):
         num_layers=getattr(args, "num_layers", RECIPE["num_layers"]), block_size=RECIPE["block_size"],
         head=head, shift_label=RECIPE["shift_label"], init_from=getattr(args, "init_from", None),
         emb_dim=getattr(args, "emb_dim", RECIPE["emb_dim"]), gru_hidden_dim=getattr(args, "gru_hidden_dim", RECIPE["gru_hidden_dim"]),
-        ttt=getattr(args, "ttt", False), curriculum=not getattr(args, "no_curriculum", False))
+        ttt=getattr(args, "ttt", False), curriculum=not getattr(args, "no_curriculum", False),
+        vocab=getattr(args, "vocab", "data"))
     train(target, store, tc)
     return Path(tc.out) / "model"
 
