@@ -105,6 +105,9 @@ def train(target, store: FeatureStore, tc: TrainConfig, progress: bool = True):
     head_w = target.model.get_output_embeddings().weight.detach().to(torch.bfloat16)
     seen, remap = training_vocab(store, cfg.vocab_size, tc.vocab)
     unseen = (remap < 0).nonzero()[:, 0]
+    if tc.head:
+        with torch.no_grad():   # unseen tokens' correction starts at 0, not at random (negatives only push it down)
+            drafter.head.embed_proj[2].weight[unseen] = 0
     weights = depth_weights(cfg.num_depths, tc.gamma)
     state_file, log_file = out / "train_state.pt", out / "log.jsonl"
     step = 0
