@@ -106,3 +106,23 @@ def test_training_vocab_is_the_data_tokens(tiny_data):
     assert training_vocab(store, 96, "full")[0].tolist() == list(range(96))
     with pytest.raises(ValueError, match="vocab"):
         training_vocab(store, 96, "top")
+
+
+def test_eval_reports_held_out_tau_per_dataset(tiny_target):
+    from conftest import random_drafter
+    from helpers import ScriptedDrafter, reference_sequence
+    from dominotree.bench.datasets import Prompt
+    from dominotree.train.evaluate import evaluate, markdown
+    prompts = [Prompt("a", "a0", "x", "Tell me a story."), Prompt("b", "b0", "y", "Count to ten.")]
+    base = random_drafter(False, seed=3)
+    # an oracle for the first prompt only: right everywhere there, wrong on the second
+    ref, _ = reference_sequence(tiny_target, tiny_target.encode_prompt(prompts[0].text), 40)
+    rows = evaluate(tiny_target, {"oracle": ScriptedDrafter(base, ref), "random": base}, prompts,
+                    max_new_tokens=24, progress=False)
+    tau = {(r["drafter"], r["dataset"]): r["tau"] for r in rows}
+    assert {r["method"] for r in rows} == {"dflash"}
+    assert tau["oracle", "a"] > 4 and tau["oracle", "a"] > tau["oracle", "b"]
+    assert tau["random", "a"] < 2
+    assert abs(tau["oracle", "all"] - (tau["oracle", "a"] + tau["oracle", "b"]) / 2) < 1e-9
+    table = markdown(rows)
+    assert "| oracle | dflash |" in table and "| random | dflash |" in table

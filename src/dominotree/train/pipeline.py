@@ -1,4 +1,4 @@
-"""`dominotree train data | features | dflash | domino | all`: the reproducible drafter recipe.
+"""`dominotree train data | features | dflash | domino | eval | all`: the reproducible drafter recipe.
 
 `train all` runs every stage for the embedded target with the defaults below and copies the
 final drafters to checkpoints/. Each stage resumes where it stopped."""
@@ -53,6 +53,16 @@ def add_train_parser(sub) -> None:
             r.add_argument("--emb-dim", type=int, default=RECIPE["emb_dim"])
             r.add_argument("--gru-hidden-dim", type=int, default=RECIPE["gru_hidden_dim"])
 
+    e = ts.add_parser("eval", help="held-out tau of drafters on the benchmark prompts (T=0)")
+    e.add_argument("--model", default="smollm2-135m")
+    e.add_argument("--drafters", required=True, help="comma list of bundled names or checkpoint dirs")
+    e.add_argument("--method", default="auto", help="auto: the drafter's chain (domino if it has a head, else dflash)")
+    e.add_argument("--datasets", default="mt-bench,humaneval,gsm")
+    e.add_argument("--max-samples", type=int, default=3, help="first N prompts of each dataset")
+    e.add_argument("--max-new-tokens", type=int, default=96)
+    e.add_argument("--budget", type=int, default=16, help="for tree methods")
+    e.add_argument("--out", default=None, help="write the rows and the table as JSON here")
+
     a = ts.add_parser("all", help="data -> features -> dflash -> domino -> checkpoints/")
     common(a)
     a.add_argument("--num-prompts", type=int, default=12000)
@@ -101,6 +111,9 @@ def main(args) -> int:
         run_data(args)
     elif args.stage == "features":
         run_features(args)
+    elif args.stage == "eval":
+        from .evaluate import main as eval_main
+        return eval_main(args)
     elif args.stage in ("dflash", "domino"):
         run_train(args, args.stage)
     elif args.stage == "all":
