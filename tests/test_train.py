@@ -93,6 +93,12 @@ def test_training_resumes(tiny_target, tiny_data, tmp_path):
     train(tiny_target, store, TrainConfig(steps=10, **kw), progress=False)
     log = [json.loads(l) for l in open(tmp_path / "r" / "log.jsonl")]
     assert [r["step"] for r in log] == [5, 10]
+    # a run stopped after logging step 15 but before saving it resumes at 10 and logs 15 once
+    with open(tmp_path / "r" / "log.jsonl", "a") as f:
+        f.write(json.dumps({"step": 15, "loss": 0.0}) + "\n")
+    train(tiny_target, store, TrainConfig(steps=15, **kw), progress=False)
+    log = [json.loads(l) for l in open(tmp_path / "r" / "log.jsonl")]
+    assert [r["step"] for r in log] == [5, 10, 15] and log[-1]["loss"] > 0
 
 
 def test_training_vocab_is_the_data_tokens(tiny_data):

@@ -120,6 +120,9 @@ def train(target, store: FeatureStore, tc: TrainConfig, progress: bool = True):
         opt.load_state_dict(st["opt"])
         step = st["step"]
         gen.set_state(st["gen"])
+        if log_file.exists():   # rows logged after the last save are redone: keep one copy
+            rows = [l for l in log_file.read_text().splitlines() if json.loads(l)["step"] <= step]
+            log_file.write_text("".join(r + "\n" for r in rows))
     (out / "train_config.json").write_text(json.dumps(asdict(tc), indent=2))
     bar = tqdm(total=tc.steps, initial=step, desc=f"train {out.name}", disable=not progress)
     t0 = time.time()

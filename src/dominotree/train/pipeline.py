@@ -12,7 +12,7 @@ from pathlib import Path
 # Both drafters use shift_label (block position d predicts depth d + 1: 16 depths per block), so the
 # Domino run can start from the trained DFlash backbone.
 RECIPE = dict(layer_ids=[1, 14, 27], num_layers=2, block_size=16, emb_dim=128, gru_hidden_dim=256,
-              shift_label=True, dflash_steps=600, domino_steps=450, seqs_per_step=8, anchors_per_seq=12)
+              shift_label=True, dflash_steps=2000, domino_steps=700, seqs_per_step=8, anchors_per_seq=12)
 
 
 def add_train_parser(sub) -> None:
