@@ -139,3 +139,9 @@ def test_first_divergence():
     assert first_divergence([1, 2, 3], [1, 2, 3]) is None
     assert first_divergence([1, 2, 3], [1, 5, 3]) == 1
     assert first_divergence([1, 2], [1, 2, 3]) == 2
+
+
+def test_per_position_acceptance_is_the_pooled_survival_function():
+    from dominotree.bench.metrics import survival
+    assert survival([0, 2, 1, 3]) == [0.75, 0.5, 0.25]
+    assert survival([]) == [] and survival([0, 0]) == []

@@ -80,7 +80,9 @@ def test_stats_are_consistent(tiny_target):
     # tokens: one from the prefill, then accepted + bonus per round (the last round may be cut)
     assert 1 + sum(a + 1 for a in s["accepted_per_round"]) >= s["new_tokens"]
     assert s["tau"] == pytest.approx((sum(s["accepted_per_round"]) + s["rounds"]) / s["rounds"])
-    assert all(0 <= p <= 1 for p in s["per_position_acceptance"])
+    pp = s["per_position_acceptance"]
+    assert all(0 <= p <= 1 for p in pp) and all(a >= b for a, b in zip(pp, pp[1:]))
+    assert sum(pp) == pytest.approx(s["tau"] - 1)
     assert set(s["stage_ms"]) == {"draft", "build", "verify", "commit"}
 
 

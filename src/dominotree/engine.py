@@ -138,11 +138,9 @@ class GenerationStream:
 
 
 def _stats(cfg, rounds, acc, depths, budgets, stage, prefill_ms, wall, n_out, finish, n_prompt) -> dict:
+    # P(at least d draft tokens accepted) over all rounds: non-increasing in d, sums to tau - 1
     max_d = max(depths, default=0)
-    per_pos = []
-    for d in range(1, max_d + 1):
-        eligible = [a for a, md in zip(acc, depths) if md >= d]
-        per_pos.append(sum(a >= d for a in eligible) / len(eligible) if eligible else 0.0)
+    per_pos = [sum(a >= d for a in acc) / rounds for d in range(1, max_d + 1)] if rounds else []
     stats = {
         "method": cfg.method,
         "tau": (sum(acc) + rounds) / rounds if rounds else 1.0,

@@ -49,10 +49,11 @@ def _mean(xs):
     return statistics.fmean(xs) if xs else None
 
 
-def _positionwise_mean(lists) -> list[float]:
-    depth = max((len(x) for x in lists), default=0)
-    cols = [[x[d] for x in lists if len(x) > d] for d in range(depth)]
-    return [statistics.fmean(c) for c in cols]
+def survival(accepted: list[int]) -> list[float]:
+    """P(at least d draft tokens accepted) for d = 1..max over the pooled rounds."""
+    if not accepted:
+        return []
+    return [sum(a >= d for a in accepted) / len(accepted) for d in range(1, max(accepted) + 1)]
 
 
 def reference_method(labels: list[str]) -> str | None:
@@ -99,7 +100,7 @@ def _row(t, ds, m, group, by, key, ref) -> dict:
         "ratio_of_means": (_mean([time_per_token(a) for a, _ in pairs]) / mean_tpt) if pairs else None,
         **{f"{s}_ms": _mean([(r.get("stage_ms") or {}).get(s) for r in group]) for s in STAGES},
         "budget_mean": _mean(budgets),
-        "per_position": _positionwise_mean([r.get("per_position_acceptance") or [] for r in group]),
+        "per_position": survival([a - 1 for r in group for a in r.get("accept_lengths") or []]),
         "exact": eq.count("exact"), "ties": eq.count("tie"), "diverged": eq.count("diverged"),
         "p_vs_ref": None,
     }

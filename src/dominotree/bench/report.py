@@ -175,6 +175,6 @@ def plot(rows: list[dict], records: list[dict], out: Path) -> list[Path]:
         ax.set(xlabel="draft depth d", title=f"acceptance per position ({overall_ds}), T={t}", ylim=(0, 1.02))
         if ax.lines:
             ax.legend(fontsize=7)
-    axes[0][0].set_ylabel("P(at least d draft tokens accepted)")
+    axes[0][0].set_ylabel("P(at least d draft tokens accepted)\nover all rounds")
     save(fig, "acceptance.png")
     return written
