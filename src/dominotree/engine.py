@@ -137,10 +137,15 @@ class GenerationStream:
         return out, text
 
 
+def acceptance_survival(accepted: list[int], depth: int) -> list[float]:
+    """P(at least d draft tokens accepted) over all rounds, d = 1..depth: non-increasing, sums to tau - 1."""
+    if not accepted:
+        return []
+    return [sum(a >= d for a in accepted) / len(accepted) for d in range(1, depth + 1)]
+
+
 def _stats(cfg, rounds, acc, depths, budgets, stage, prefill_ms, wall, n_out, finish, n_prompt) -> dict:
-    # P(at least d draft tokens accepted) over all rounds: non-increasing in d, sums to tau - 1
-    max_d = max(depths, default=0)
-    per_pos = [sum(a >= d for a in acc) / rounds for d in range(1, max_d + 1)] if rounds else []
+    per_pos = acceptance_survival(acc, max(depths, default=0))
     stats = {
         "method": cfg.method,
         "tau": (sum(acc) + rounds) / rounds if rounds else 1.0,

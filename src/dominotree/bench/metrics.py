@@ -51,9 +51,8 @@ def _mean(xs):
 
 def survival(accepted: list[int]) -> list[float]:
     """P(at least d draft tokens accepted) for d = 1..max over the pooled rounds."""
-    if not accepted:
-        return []
-    return [sum(a >= d for a in accepted) / len(accepted) for d in range(1, max(accepted) + 1)]
+    from ..engine import acceptance_survival
+    return acceptance_survival(accepted, max(accepted, default=0))
 
 
 def reference_method(labels: list[str]) -> str | None:
