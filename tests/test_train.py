@@ -17,7 +17,7 @@ def tiny_data(tiny_target, tmp_path_factory):
     root = tmp_path_factory.mktemp("train")
     generate_data(tiny_target, root / "data", num_prompts=48, shard_size=16, batch_size=16, max_new_tokens=40,
                   sampled_every=3)
-    store = build_feature_store(tiny_target, root / "data", root / "feats", layer_ids=[1, 2])
+    store = build_feature_store(tiny_target, root / "data", root / "feats", layer_ids=[1, 2], topk=4)
     return root, store
 
 
@@ -46,11 +46,32 @@ def test_features_match_the_target(tiny_target, tiny_data):
     assert torch.allclose(feats.float(), ref.float(), atol=0.05, rtol=0.02)   # stored in bf16
 
 
+def test_target_topk_are_the_targets_next_token_log_probs(tiny_target, tiny_data, tmp_path):
+    import shutil
+    from dominotree.train.features import FeatureStore, build_target_topk
+    _, store = tiny_data
+    toks, _, _ = store.sequence(5)
+    ids, logp = store.topk(5)
+    with torch.no_grad():
+        ref = torch.log_softmax(tiny_target.model(input_ids=toks[None]).logits[0].float(), -1).topk(4, -1)
+    assert torch.equal(ids, ref.indices)
+    torch.testing.assert_close(logp, ref.values, atol=2e-3, rtol=1e-3)    # stored in fp16
+    # adding the top-k to an existing store (separate pass) gives the same soft labels
+    shutil.copytree(store.root, tmp_path / "f")
+    for name in ("topk_ids.npy", "topk_logp.npy"):
+        (tmp_path / "f" / name).unlink()
+    with pytest.raises(ValueError, match="no target top-k"):
+        FeatureStore(tmp_path / "f").topk(0)
+    added = build_target_topk(tiny_target, FeatureStore(tmp_path / "f"), k=4)
+    assert torch.equal(added.topk(5)[0], ids)
+
+
 def test_blocks_see_only_the_context_before_their_anchor(tiny_data):
     _, store = tiny_data
     g = torch.Generator().manual_seed(0)
     seqs = [store.sequence(i) for i in range(3)]
-    b = make_batch(seqs, block_size=4, num_anchors=3, num_depths=4, mask_token_id=3, generator=g)
+    b = make_batch(seqs, block_size=4, num_anchors=3, num_depths=4, mask_token_id=3, generator=g,
+                   topk=[store.topk(i) for i in range(3)])
     S = b.ctx_feats.shape[1]
     for i, (toks, _, plen) in enumerate(seqs):
         for n in range(3):
@@ -61,10 +82,15 @@ def test_blocks_see_only_the_context_before_their_anchor(tiny_data):
             assert row[S + n * 4:S + n * 4 + 4].all() and row[S:].sum() == 4
             d_ok = [d for d in range(1, 5) if a + d < len(toks)]
             assert b.labels[i, n, :len(d_ok)].tolist() == [int(toks[a + d]) for d in d_ok]
+            # the soft label of depth d is the target's prediction made at position a + d - 1
+            ids, logp = store.topk(i)
+            assert b.soft_ids[i, n, :len(d_ok)].tolist() == [ids[a + d - 1].tolist() for d in d_ok]
+            assert (b.soft_ids[i, n, len(d_ok):] == -1).all()
 
 
 @pytest.mark.parametrize("head, extra", [(False, {}), (False, {"vocab": "full"}), (True, {}), (True, {"ttt": True}),
-                                         (True, {"curriculum": False})])
+                                         (True, {"curriculum": False}), (False, {"distill": 0.7}),
+                                         (True, {"distill": 0.5}), (False, {"init_layers": "target"})])
 def test_training_learns_and_saves_a_loadable_drafter(tiny_target, tiny_data, tmp_path, head, extra):
     _, store = tiny_data
     tc = TrainConfig(out=str(tmp_path / "run"), steps=60, seqs_per_step=4, anchors_per_seq=6, lr=3e-3,
@@ -132,3 +158,49 @@ def test_eval_reports_held_out_tau_per_dataset(tiny_target):
     assert abs(tau["oracle", "all"] - (tau["oracle", "a"] + tau["oracle", "b"]) / 2) < 1e-9
     table = markdown(rows)
     assert "| oracle | dflash |" in table and "| random | dflash |" in table
+
+
+def test_target_init_starts_draft_layers_as_the_targets_last_layers(tiny_target):
+    from dominotree.train.dflash import drafter_config
+    from dominotree.drafters import DFlashBackbone
+    from dominotree.train.target_init import init_from_target_layers, target_decoder_layers
+
+    cfg = drafter_config(TrainConfig(out="unused", num_layers=2), tiny_target, [0, 1])
+    backbone = DFlashBackbone(cfg)
+    assert init_from_target_layers(backbone, tiny_target) == [2, 3]
+    layers = target_decoder_layers(tiny_target)
+    assert torch.equal(backbone.layers[1].mlp.down_proj.weight, layers[3].mlp.down_proj.weight)
+    assert torch.equal(backbone.layers[0].self_attn.q_proj.weight, layers[2].self_attn.q_proj.weight)
+    # the first draft layer's context values are the target's own values at that layer, computed
+    # from the deepest tapped layer's output
+    ids = torch.tensor([[1, 7, 8, 9, 10, 11]])
+    hs = tiny_target.model.base_model(input_ids=ids, output_hidden_states=True).hidden_states
+    with torch.no_grad():
+        feats = torch.cat([hs[1], hs[2]], -1)
+        _, v = backbone.context_kv(backbone.project_context(feats), torch.arange(6)[None])[0]
+        t = layers[2]
+        want = t.self_attn.v_proj(t.input_layernorm(hs[2])).view(1, 6, -1, cfg.head_dim).transpose(1, 2)
+    torch.testing.assert_close(v, want)
+    # a drafter whose shapes differ from the target's layers is refused clearly
+    narrow = DFlashBackbone(drafter_config(TrainConfig(out="unused", num_layers=2, intermediate_size=32),
+                                           tiny_target, [0, 1]))
+    with pytest.raises(ValueError, match="does not fit target layer"):
+        init_from_target_layers(narrow, tiny_target)
+
+
+def test_soft_ce_is_hard_ce_for_one_hot_labels_and_ignores_dropped_ids():
+    from dominotree.train.dflash import soft_ce, weighted_ce
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 3, 4, 10, generator=g)
+    labels = torch.randint(10, (2, 3, 4), generator=g)
+    labels[0, 0, 2:] = -100
+    w = torch.tensor([1.0, 0.5, 0.25, 0.1])
+    hard, _ = weighted_ce(logits, labels, w)
+    ids = torch.stack([labels.clamp_min(0), torch.full_like(labels, -1)], -1)   # second id dropped
+    logp = torch.stack([torch.zeros(labels.shape), torch.full(labels.shape, -0.1)], -1)
+    torch.testing.assert_close(soft_ce(logits, ids, logp, labels, w), hard)
+    # a real two-token target: the loss is the mixture of the two CEs
+    ids2 = torch.stack([labels.clamp_min(0), (labels.clamp_min(0) + 1) % 10], -1)
+    logp2 = torch.log(torch.tensor([0.75, 0.25])).expand(2, 3, 4, 2)
+    other, _ = weighted_ce(logits, torch.where(labels >= 0, ids2[..., 1], labels), w)
+    torch.testing.assert_close(soft_ce(logits, ids2, logp2, labels, w), 0.75 * hard + 0.25 * other)

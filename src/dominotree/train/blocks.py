@@ -17,11 +17,14 @@ class BlockBatch:
     mask: torch.Tensor         # [B, 1, N*b, S + N*b] bool (True = attend)
     labels: torch.Tensor       # [B, N, D] token at depth d (-100 = none)
     truth: torch.Tensor        # [B, N, b] ground-truth tokens at anchor + 0..b-1 (GRU teacher forcing)
+    soft_ids: torch.Tensor | None = None    # [B, N, D, k] the target's top-k for each label (-1 = none)
+    soft_logp: torch.Tensor | None = None   # [B, N, D, k] their log-probs
 
 
 def make_batch(seqs, block_size: int, num_anchors: int, num_depths: int, mask_token_id: int,
-               generator: torch.Generator) -> BlockBatch:
-    """seqs: list of (tokens [L], feats [L, k*h], prompt_len)."""
+               generator: torch.Generator, topk=None) -> BlockBatch:
+    """seqs: list of (tokens [L], feats [L, k*h], prompt_len); topk: optional list of (ids [L, k],
+    log-probs [L, k]), the target's prediction for the token after each position (soft labels)."""
     B, b, N = len(seqs), block_size, num_anchors
     S = max(len(t) for t, _, _ in seqs)
     dim = seqs[0][1].shape[-1]
@@ -31,6 +34,10 @@ def make_batch(seqs, block_size: int, num_anchors: int, num_depths: int, mask_to
     mask = torch.zeros(B, 1, N * b, S + N * b, dtype=torch.bool)
     labels = torch.full((B, N, num_depths), -100, dtype=torch.long)
     truth = torch.zeros(B, N, b, dtype=torch.long)
+    if topk is not None:
+        k = topk[0][0].shape[-1]
+        soft_ids = torch.full((B, N, num_depths, k), -1, dtype=torch.long)
+        soft_logp = torch.full((B, N, num_depths, k), float("-inf"))
     offsets = torch.arange(b)
     for i, (toks, feats, plen) in enumerate(seqs):
         L = len(toks)
@@ -48,11 +55,17 @@ def make_batch(seqs, block_size: int, num_anchors: int, num_depths: int, mask_to
             d = torch.arange(1, num_depths + 1)
             ok = a + d < L
             labels[i, n, :ok.sum()] = toks[a + d[ok]]
+            if topk is not None:     # the label at a + d is predicted at position a + d - 1
+                soft_ids[i, n, :ok.sum()] = topk[i][0][a + d[ok] - 1]
+                soft_logp[i, n, :ok.sum()] = topk[i][1][a + d[ok] - 1]
             t_ok = a + offsets < L
             truth[i, n, :t_ok.sum()] = toks[a + offsets[t_ok]]
         for n in range(len(pick), N):                                 # unused slots: attend to themselves only
             mask[i, 0, n * b:(n + 1) * b, S + n * b:S + (n + 1) * b] = True
-    return BlockBatch(ctx, torch.arange(S).expand(B, S), block_ids, block_pos, mask, labels, truth)
+    batch = BlockBatch(ctx, torch.arange(S).expand(B, S), block_ids, block_pos, mask, labels, truth)
+    if topk is not None:
+        batch.soft_ids, batch.soft_logp = soft_ids, soft_logp
+    return batch
 
 
 def depth_weights(num_depths: int, gamma: float) -> torch.Tensor:

@@ -49,11 +49,16 @@ class TrainConfig:
     curriculum: bool = True       # lambda 1 -> 0 linearly; False: final-logit loss only
     ttt: bool = False             # GRU fed its own drafts instead of the ground truth
     init_from: str | None = None  # start the backbone from a trained drafter checkpoint dir
+    init_layers: str = "random"   # "target": draft layers start as the target's last layers (train/target_init.py)
     # "data": the softmax of the loss runs over the tokens that occur in the training data (~10k of
     # SmolLM2's 49k; the LM-head product is most of a step's cost) plus `negatives` other tokens drawn
     # afresh each step, so that the drafter also learns to keep the unseen ones down. "full": all tokens.
     vocab: str = "data"
     negatives: int = 2048
+    # Distillation: loss = (1 - distill) * CE(data token) + distill * CE(target's renormalised top-k),
+    # from the feature store's cached top-k (`train features --topk K`). Soft labels carry the
+    # target's whole ranking, and on sampled responses its greedy choice, not the sampled token.
+    distill: float = 0.0
     extra: dict = field(default_factory=dict)
 
 
@@ -89,6 +94,11 @@ def train(target, store: FeatureStore, tc: TrainConfig, progress: bool = True):
     torch.manual_seed(tc.seed)
     cfg = drafter_config(tc, target, store.layer_ids)
     drafter = build_drafter(cfg, out.name)
+    if tc.init_layers == "target":
+        from .target_init import init_from_target_layers
+        init_from_target_layers(drafter.backbone, target)
+    elif tc.init_layers != "random":
+        raise ValueError(f"init_layers must be 'random' or 'target', got {tc.init_layers!r}")
     if tc.init_from:
         from ..drafters import load_checkpoint
         init = load_checkpoint(Path(tc.init_from))
@@ -129,8 +139,11 @@ def train(target, store: FeatureStore, tc: TrainConfig, progress: bool = True):
     while step < tc.steps:
         idx = torch.randint(len(store), (tc.seqs_per_step,), generator=gen).tolist()
         batch = make_batch([store.sequence(i) for i in idx], cfg.block_size, tc.anchors_per_seq,
-                           cfg.num_depths, cfg.mask_token_id, gen)
+                           cfg.num_depths, cfg.mask_token_id, gen,
+                           topk=[store.topk(i) for i in idx] if tc.distill > 0 else None)
         batch.labels = torch.where(batch.labels >= 0, remap[batch.labels.clamp_min(0)], batch.labels)
+        if batch.soft_ids is not None:     # soft labels outside the training vocabulary are dropped
+            batch.soft_ids = torch.where(batch.soft_ids >= 0, remap[batch.soft_ids.clamp_min(0)], batch.soft_ids)
         neg = unseen[torch.randperm(len(unseen), generator=gen)[:tc.negatives]]
         vocab_ids = torch.cat([seen, neg])                        # labels index the `seen` part
         lam = max(0.0, 1.0 - step / max(1, tc.steps - 1)) if tc.curriculum else 0.0
@@ -198,6 +211,17 @@ def weighted_ce(logits, labels, weights):
     w = weights.view(1, 1, -1) * valid
     hits = (logits.argmax(-1) == labels) & (labels != -100)
     return (ce * w).sum() / w.sum().clamp_min(1e-6), hits
+
+
+def soft_ce(logits, soft_ids, soft_logp, labels, weights):
+    """Per-depth-weighted cross-entropy against the target's top-k, renormalised over the ids kept."""
+    logz = torch.logsumexp(logits.float(), -1, keepdim=True)
+    logq = logits.float().gather(-1, soft_ids.clamp_min(0)) - logz
+    p = torch.where(soft_ids >= 0, soft_logp.float().exp(), torch.zeros(()))
+    p = p / p.sum(-1, keepdim=True).clamp_min(1e-9)
+    ce = -(p * logq).sum(-1)
+    w = weights.view(1, 1, -1) * (labels != -100).float()
+    return (ce * w).sum() / w.sum().clamp_min(1e-6)
 
 
 def accept_len(hits: torch.Tensor) -> float:

@@ -9,13 +9,22 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .dflash import accept_len, weighted_ce
+from .dflash import accept_len, soft_ce, weighted_ce
+
+
+def label_loss(logits, batch, weights, tc):
+    """CE on the data tokens, mixed with the target's top-k when distilling; also the argmax hits."""
+    hard, hits = weighted_ce(logits, batch.labels, weights)
+    if tc.distill > 0 and batch.soft_ids is not None:
+        soft = soft_ce(logits, batch.soft_ids, batch.soft_logp, batch.labels, weights)
+        return (1 - tc.distill) * hard + tc.distill * soft, hits
+    return hard, hits
 
 
 def domino_loss(drafter, hid, batch, embed_w, head_w, vocab_ids, weights, cfg, lam, tc):
     """head_w holds the LM-head rows of vocab_ids (the training vocabulary); labels are columns of it."""
     base = F.linear(hid, head_w)                              # [B, N, D, V']
-    loss_base, hits_base = weighted_ce(base, batch.labels, weights)
+    loss_base, hits_base = label_loss(base, batch, weights, tc)
     metrics = {"loss_base": float(loss_base.detach()), "accept_len_base": accept_len(hits_base)}
     if not tc.head:
         return loss_base, metrics
@@ -30,7 +39,7 @@ def domino_loss(drafter, hid, batch, embed_w, head_w, vocab_ids, weights, cfg, l
         corr = head.correction(hid, states.to(hid.dtype), vocab_ids)
         keep = (torch.arange(1, D + 1) > prefix).view(1, 1, D, 1)
         final = base + corr * keep
-    loss_final, hits_final = weighted_ce(final, batch.labels, weights)
+    loss_final, hits_final = label_loss(final, batch, weights, tc)
     metrics.update(loss_final=float(loss_final.detach()), accept_len_final=accept_len(hits_final))
     return lam * loss_base + (1 - lam) * loss_final, metrics
 

@@ -25,6 +25,10 @@ class FeatureStore:
         self.tokens = np.load(self.root / "tokens.npy", mmap_mode="r")
         total = int(self.offsets[-1])
         self.feats = np.memmap(self.root / "features.u16", dtype=np.uint16, mode="r", shape=(total, self.dim))
+        # optional: the target's top-k next-token predictions per position (build_target_topk)
+        has_topk = (self.root / "topk_ids.npy").exists()
+        self.topk_ids = np.load(self.root / "topk_ids.npy", mmap_mode="r") if has_topk else None
+        self.topk_logp = np.load(self.root / "topk_logp.npy", mmap_mode="r") if has_topk else None
 
     def __len__(self) -> int:
         return len(self.offsets) - 1
@@ -35,41 +39,99 @@ class FeatureStore:
         feats = torch.from_numpy(np.array(self.feats[a:b])).view(torch.bfloat16)
         return toks, feats, int(self.prompt_lens[i])
 
+    def topk(self, i: int):
+        """The target's top-k (ids [L, k], log-probs [L, k]) for the token after each position of sequence i."""
+        if self.topk_ids is None:
+            raise ValueError(f"{self.root} has no target top-k: run `dominotree train features --topk K`")
+        a, b = int(self.offsets[i]), int(self.offsets[i + 1])
+        return (torch.from_numpy(np.asarray(self.topk_ids[a:b], dtype=np.int64)),
+                torch.from_numpy(np.asarray(self.topk_logp[a:b], dtype=np.float32)))
+
+
+def length_batches(lens: np.ndarray, batch_tokens: int) -> list[list[int]]:
+    """Sequence indices grouped by similar length (little padding), at most ~batch_tokens per group."""
+    batches, cur, width = [], [], 0
+    for i in np.argsort(lens):
+        width = max(width, lens[i])
+        if cur and width * (len(cur) + 1) > batch_tokens:
+            batches.append(cur)
+            cur, width = [], lens[i]
+        cur.append(int(i))
+    if cur:
+        batches.append(cur)
+    return batches
+
+
+@torch.inference_mode()
+def build_target_topk(target, store: FeatureStore, k: int = 8, batch_tokens: int = 4096) -> FeatureStore:
+    """Add the target's top-k next-token log-probs at every position of a feature store: soft labels
+    for distillation, and the target's own greedy choice where a response was sampled."""
+    lens = np.diff(store.offsets)
+    total = int(store.offsets[-1])
+    ids_out = np.lib.format.open_memmap(store.root / "topk_ids.tmp.npy", mode="w+", dtype=np.int32, shape=(total, k))
+    logp_out = np.lib.format.open_memmap(store.root / "topk_logp.tmp.npy", mode="w+", dtype=np.float16,
+                                         shape=(total, k))
+    for batch in tqdm(length_batches(lens, batch_tokens), desc="target top-k"):
+        w = int(max(lens[i] for i in batch))
+        ids = torch.zeros(len(batch), w, dtype=torch.long)
+        for r, i in enumerate(batch):
+            a = int(store.offsets[i])
+            ids[r, :lens[i]] = torch.from_numpy(np.asarray(store.tokens[a:a + lens[i]], dtype=np.int64))
+        top = target_topk(target, target.model.base_model(input_ids=ids).last_hidden_state, k)
+        for r, i in enumerate(batch):
+            a = int(store.offsets[i])
+            ids_out[a:a + lens[i]] = top.indices[r, :lens[i]].numpy()
+            logp_out[a:a + lens[i]] = top.values[r, :lens[i]].numpy()
+    ids_out.flush(); logp_out.flush()
+    del ids_out, logp_out
+    for name in ("topk_ids", "topk_logp"):
+        (store.root / f"{name}.tmp.npy").rename(store.root / f"{name}.npy")
+    return FeatureStore(store.root)
+
+
+def target_topk(target, last_hidden: torch.Tensor, k: int):
+    """Top-k of the target's next-token log-probs from its final (normed) hidden states."""
+    logits = target.model.get_output_embeddings()(last_hidden).float()
+    return torch.log_softmax(logits, -1).topk(k, -1)
+
 
 @torch.inference_mode()
 def build_feature_store(target, data_dir: Path, out: Path, layer_ids: list[int], max_len: int = 768,
-                        batch_tokens: int = 4096) -> FeatureStore:
-    """Run the target over every (prompt + response), keep the tapped layers' outputs."""
+                        batch_tokens: int = 4096, topk: int = 0) -> FeatureStore:
+    """Run the target over every (prompt + response), keep the tapped layers' outputs (and, with
+    topk > 0, the target's top-k next-token log-probs, in the same pass)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    for name in ("topk_ids", "topk_logp"):          # stale soft labels must not outlive the features
+        (out / f"{name}.npy").unlink(missing_ok=True)
     seqs = [s for s in read_shards(data_dir) if len(s.tokens) - s.prompt_len >= 2]
     seqs = [type(s)(s.tokens[:max_len], s.prompt_len, s.source) for s in seqs if s.prompt_len < max_len - 2]
     lens = np.array([len(s.tokens) for s in seqs])
     offsets = np.concatenate([[0], np.cumsum(lens)])
     dim = len(layer_ids) * target.hidden_size
-    feats = np.memmap(out / "features.u16", dtype=np.uint16, mode="w+", shape=(int(offsets[-1]), dim))
+    total = int(offsets[-1])
+    feats = np.memmap(out / "features.u16", dtype=np.uint16, mode="w+", shape=(total, dim))
+    if topk:
+        top_ids = np.lib.format.open_memmap(out / "topk_ids.npy", mode="w+", dtype=np.int32, shape=(total, topk))
+        top_logp = np.lib.format.open_memmap(out / "topk_logp.npy", mode="w+", dtype=np.float16, shape=(total, topk))
     np.save(out / "tokens.npy", np.concatenate([s.tokens for s in seqs]).astype(np.int32))
-    order = np.argsort(lens)
-    batches, cur, width = [], [], 0
-    for i in order:                      # similar lengths together: little padding
-        width = max(width, lens[i])
-        if cur and width * (len(cur) + 1) > batch_tokens:
-            batches.append(cur)
-            cur, width = [], lens[i]
-        cur.append(i)
-    if cur:
-        batches.append(cur)
     base = target.model.base_model
-    for batch in tqdm(batches, desc="target features"):
+    for batch in tqdm(length_batches(lens, batch_tokens), desc="target features"):
         w = int(max(lens[i] for i in batch))
         ids = torch.zeros(len(batch), w, dtype=torch.long)
         for r, i in enumerate(batch):
             ids[r, :lens[i]] = torch.from_numpy(seqs[i].tokens)
         hs = base(input_ids=ids, output_hidden_states=True).hidden_states   # right padding: causal, harmless
         f = torch.cat([hs[l + 1] for l in layer_ids], -1).to(torch.bfloat16)
+        top = target_topk(target, hs[-1], topk) if topk else None
         for r, i in enumerate(batch):
             feats[offsets[i]:offsets[i + 1]] = f[r, :lens[i]].view(torch.uint16).numpy()
+            if top is not None:
+                top_ids[offsets[i]:offsets[i + 1]] = top.indices[r, :lens[i]].numpy()
+                top_logp[offsets[i]:offsets[i + 1]] = top.values[r, :lens[i]].numpy()
     feats.flush()
+    if topk:
+        top_ids.flush(); top_logp.flush()
     (out / "features.json").write_text(json.dumps({
         "layer_ids": layer_ids, "dim": dim, "offsets": offsets.tolist(),
         "prompt_lens": [s.prompt_len for s in seqs], "target": target.name}))

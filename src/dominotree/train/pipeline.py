@@ -12,7 +12,7 @@ from pathlib import Path
 # Both drafters use shift_label (block position d predicts depth d + 1: 16 depths per block), so the
 # Domino run can start from the trained DFlash backbone.
 RECIPE = dict(layer_ids=[1, 14, 27], num_layers=2, block_size=16, emb_dim=128, gru_hidden_dim=256,
-              shift_label=True, dflash_steps=2000, domino_steps=700, seqs_per_step=8, anchors_per_seq=12)
+              shift_label=True, init_layers="random", gamma=7.0, topk=8, distill=0.0, dflash_steps=2000, domino_steps=700, seqs_per_step=8, anchors_per_seq=12)
 
 
 def add_train_parser(sub) -> None:
@@ -33,6 +33,8 @@ def add_train_parser(sub) -> None:
     f = ts.add_parser("features", help="cache the target's tapped-layer features")
     common(f)
     f.add_argument("--layers", default=",".join(map(str, RECIPE["layer_ids"])))
+    f.add_argument("--topk", type=int, default=RECIPE["topk"], help="also cache the target's top-k (soft labels; 0: no)")
+    f.add_argument("--add-topk", action="store_true", help="only add the top-k to the existing feature store")
 
     for name in ("dflash", "domino"):
         r = ts.add_parser(name, help=f"train a {name} drafter on the cached features")
@@ -44,6 +46,11 @@ def add_train_parser(sub) -> None:
         r.add_argument("--anchors-per-seq", type=int, default=RECIPE["anchors_per_seq"])
         r.add_argument("--init-from", default=None, help="start the backbone from this drafter checkpoint dir")
         r.add_argument("--num-layers", type=int, default=RECIPE["num_layers"])
+        r.add_argument("--init-layers", choices=["random", "target"], default=RECIPE["init_layers"],
+                       help="draft layers start random or as the target's last layers")
+        r.add_argument("--distill", type=float, default=RECIPE["distill"],
+                       help="weight of the target's top-k soft labels in the loss (needs features --topk)")
+        r.add_argument("--gamma", type=float, default=RECIPE["gamma"], help="per-depth loss decay exp(-(d-1)/gamma)")
         r.add_argument("--vocab", choices=["data", "full"], default="data",
                        help="softmax of the loss over the tokens seen in the data (fast) or the whole vocabulary")
         if name == "domino":
@@ -81,10 +88,14 @@ def run_data(args, target=None):
 
 
 def run_features(args, target=None):
-    from .features import build_feature_store
+    from .features import FeatureStore, build_feature_store, build_target_topk
     target = target or _target(args)
+    root, topk = Path(args.workdir) / "features", getattr(args, "topk", RECIPE["topk"])
+    if getattr(args, "add_topk", False):
+        build_target_topk(target, FeatureStore(root), topk)
+        return
     layers = [int(x) for x in str(getattr(args, "layers", ",".join(map(str, RECIPE["layer_ids"])))).split(",")]
-    build_feature_store(target, Path(args.workdir) / "data", Path(args.workdir) / "features", layers)
+    build_feature_store(target, Path(args.workdir) / "data", root, layers, topk=topk)
 
 
 def run_train(args, name: str, target=None):
@@ -101,7 +112,8 @@ def run_train(args, name: str, target=None):
         head=head, shift_label=RECIPE["shift_label"], init_from=getattr(args, "init_from", None),
         emb_dim=getattr(args, "emb_dim", RECIPE["emb_dim"]), gru_hidden_dim=getattr(args, "gru_hidden_dim", RECIPE["gru_hidden_dim"]),
         ttt=getattr(args, "ttt", False), curriculum=not getattr(args, "no_curriculum", False),
-        vocab=getattr(args, "vocab", "data"))
+        vocab=getattr(args, "vocab", "data"), init_layers=getattr(args, "init_layers", RECIPE["init_layers"]),
+        gamma=getattr(args, "gamma", RECIPE["gamma"]), distill=getattr(args, "distill", RECIPE["distill"]))
     train(target, store, tc)
     return Path(tc.out) / "model"
 
