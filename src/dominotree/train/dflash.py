@@ -202,10 +202,14 @@ def block_hidden(backbone: DFlashBackbone, batch, embed_w, cfg: DrafterConfig) -
     return hid[:, :, :cfg.num_depths] if cfg.shift_label else hid[:, :, 1:]
 
 
-def weighted_ce(logits, labels, weights):
-    """Per-depth-weighted cross-entropy; also the argmax hits per position."""
+def weighted_ce(logits, labels, weights, logq=None):
+    """Per-depth-weighted cross-entropy (from logq = log_softmax(logits) when the caller has it);
+    also the argmax hits per position."""
     V = logits.shape[-1]
-    ce = F.cross_entropy(logits.float().reshape(-1, V), labels.reshape(-1), ignore_index=-100, reduction="none")
+    if logq is None:
+        ce = F.cross_entropy(logits.float().reshape(-1, V), labels.reshape(-1), ignore_index=-100, reduction="none")
+    else:
+        ce = F.nll_loss(logq.reshape(-1, V), labels.reshape(-1), ignore_index=-100, reduction="none")
     ce = ce.view(labels.shape)
     valid = (labels != -100).float()
     w = weights.view(1, 1, -1) * valid
@@ -213,13 +217,12 @@ def weighted_ce(logits, labels, weights):
     return (ce * w).sum() / w.sum().clamp_min(1e-6), hits
 
 
-def soft_ce(logits, soft_ids, soft_logp, labels, weights):
-    """Per-depth-weighted cross-entropy against the target's top-k, renormalised over the ids kept."""
-    logz = torch.logsumexp(logits.float(), -1, keepdim=True)
-    logq = logits.float().gather(-1, soft_ids.clamp_min(0)) - logz
+def soft_ce(logq, soft_ids, soft_logp, labels, weights):
+    """Per-depth-weighted cross-entropy of log-probs logq against the target's top-k, renormalised
+    over the ids kept (-1 = dropped)."""
     p = torch.where(soft_ids >= 0, soft_logp.float().exp(), torch.zeros(()))
     p = p / p.sum(-1, keepdim=True).clamp_min(1e-9)
-    ce = -(p * logq).sum(-1)
+    ce = -(p * logq.gather(-1, soft_ids.clamp_min(0))).sum(-1)
     w = weights.view(1, 1, -1) * (labels != -100).float()
     return (ce * w).sum() / w.sum().clamp_min(1e-6)
 

@@ -13,12 +13,14 @@ from .dflash import accept_len, soft_ce, weighted_ce
 
 
 def label_loss(logits, batch, weights, tc):
-    """CE on the data tokens, mixed with the target's top-k when distilling; also the argmax hits."""
-    hard, hits = weighted_ce(logits, batch.labels, weights)
-    if tc.distill > 0 and batch.soft_ids is not None:
-        soft = soft_ce(logits, batch.soft_ids, batch.soft_logp, batch.labels, weights)
-        return (1 - tc.distill) * hard + tc.distill * soft, hits
-    return hard, hits
+    """CE on the data tokens, mixed with the target's top-k when distilling; also the argmax hits.
+    Distilling shares one log-softmax between the two terms (it is the costly part)."""
+    if not (tc.distill > 0 and batch.soft_ids is not None):
+        return weighted_ce(logits, batch.labels, weights)
+    logq = torch.log_softmax(logits.float(), -1)
+    hard, hits = weighted_ce(logits, batch.labels, weights, logq)
+    soft = soft_ce(logq, batch.soft_ids, batch.soft_logp, batch.labels, weights)
+    return (1 - tc.distill) * hard + tc.distill * soft, hits
 
 
 def domino_loss(drafter, hid, batch, embed_w, head_w, vocab_ids, weights, cfg, lam, tc):
