@@ -205,3 +205,25 @@ def test_soft_ce_is_hard_ce_for_one_hot_labels_and_ignores_dropped_ids():
     logp2 = torch.log(torch.tensor([0.75, 0.25])).expand(2, 3, 4, 2)
     other, _ = weighted_ce(logits, torch.where(labels >= 0, ids2[..., 1], labels), w)
     torch.testing.assert_close(soft_ce(lq, ids2, logp2, labels, w), 0.75 * hard + 0.25 * other)
+
+
+def test_train_all_runs_every_stage_and_bundles_the_drafters(tiny_llama_dir, tiny_target, tmp_path, monkeypatch):
+    import argparse
+    from dominotree.train import pipeline
+    monkeypatch.setenv("DOMINOTREE_CHECKPOINTS", str(tmp_path / "ckpt"))
+    monkeypatch.setitem(pipeline.RECIPE, "layer_ids", [1, 2])
+    monkeypatch.setattr(pipeline, "STAGES", [(run, trainer, {**o, "steps": 3}, start)
+                                             for run, trainer, o, start in pipeline.STAGES])
+    args = argparse.Namespace(stage="all", model=str(tiny_llama_dir), workdir=str(tmp_path / "w"), num_prompts=8,
+                              max_new_tokens=24)
+    assert pipeline.main(args) == 0
+    work = tmp_path / "w"
+    assert (work / "features" / "topk_ids.npy").is_file()
+    # each stage starts from the one before it, with its own loss weighting
+    for run, _, overrides, start in pipeline.STAGES:
+        cfg = json.loads((work / run / "train_config.json").read_text())
+        assert cfg["gamma"] == overrides["gamma"] and cfg["steps"] == 3
+        assert cfg["init_from"] == (str(work / start / "model") if start else None)
+    dflash = dt.load_drafter(str(tmp_path / "ckpt" / "smollm2-135m-dflash"), target=tiny_target)
+    domino = dt.load_drafter(str(tmp_path / "ckpt" / "smollm2-135m-domino"), target=tiny_target)
+    assert not hasattr(dflash, "head") and hasattr(domino, "head")

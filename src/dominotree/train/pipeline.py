@@ -12,7 +12,18 @@ from pathlib import Path
 # Both drafters use shift_label (block position d predicts depth d + 1: 16 depths per block), so the
 # Domino run can start from the trained DFlash backbone.
 RECIPE = dict(layer_ids=[1, 14, 27], num_layers=2, block_size=16, emb_dim=128, gru_hidden_dim=256,
-              shift_label=True, init_layers="random", gamma=7.0, topk=8, distill=0.0, dflash_steps=2000, domino_steps=700, seqs_per_step=8, anchors_per_seq=12)
+              shift_label=True, init_layers="random", gamma=7.0, topk=8, distill=0.0, dflash_steps=2000,
+              domino_steps=700, seqs_per_step=8, anchors_per_seq=12)
+
+# `train all`: the stages behind the bundled drafters, in order (run dir, trainer, overrides, start).
+# The DFlash backbone first learns all 16 depths (gamma 7), then a second phase concentrates the loss
+# on the first depths (gamma 2), which a probe showed lifts chain tau (docs/TRAINING.md).
+STAGES = [
+    ("dflash", "dflash", dict(steps=2000, gamma=7.0, lr=1e-3), None),
+    ("dflash_ft", "dflash", dict(steps=2000, gamma=2.0, lr=5e-4), "dflash"),
+    ("domino", "domino", dict(steps=700, gamma=2.0, lr=1e-3), "dflash_ft"),
+]
+BUNDLED = {"dflash_ft": "smollm2-135m-dflash", "domino": "smollm2-135m-domino"}
 
 
 def add_train_parser(sub) -> None:
@@ -133,14 +144,15 @@ def main(args) -> int:
         target = _target(args)
         run_data(args, target)
         run_features(args, target)
-        init = None
-        for name in ("dflash", "domino"):
-            ns = argparse.Namespace(**vars(args), out=None, steps=RECIPE[f"{name}_steps"], init_from=init)
-            model = run_train(ns, name, target)
-            init = str(model)         # Domino starts from the trained DFlash backbone
-            dest = checkpoints_dir() / f"smollm2-135m-{name}"
-            if dest.exists():
-                shutil.rmtree(dest)
-            shutil.copytree(model, dest)
-            print(f"{name}: {dest}")
+        models = {}
+        for run, trainer, overrides, start in STAGES:
+            ns = argparse.Namespace(**{**vars(args), **overrides}, out=str(Path(args.workdir) / run),
+                                    init_from=str(models[start]) if start else None)
+            models[run] = run_train(ns, trainer, target)
+            if run in BUNDLED:
+                dest = checkpoints_dir() / BUNDLED[run]
+                if dest.exists():
+                    shutil.rmtree(dest)
+                shutil.copytree(models[run], dest)
+                print(f"{run}: {dest}")
     return 0
