@@ -79,42 +79,13 @@ class DominoDrafter(DFlashDrafter):
         emb = target.embed(torch.tensor([root]))
         return self.head.gru_step(self.head.zero_state(1), emb)
 
-    def w2_row_norms(self) -> torch.Tensor:
-        """||W2_i|| per token (float32), cached until the weights change dtype or device."""
-        w2 = self.head.embed_proj[2].weight
-        key = (w2.data_ptr(), w2.dtype, w2.device)
-        if getattr(self, "_w2_norms_key", None) != key:
-            self._w2_norms = w2.float().norm(dim=-1)
-            self._w2_norms_key = key
-        return self._w2_norms
-
-    def corrected_argmax(self, base: torch.Tensor, z: torch.Tensor, cand: torch.Tensor,
-                         exact_full: bool = False) -> tuple[int, torch.Tensor, torch.Tensor]:
-        """argmax over the whole vocabulary of base + W2 z, exactly, reading only the W2 rows that can win.
-
-        Cauchy-Schwarz bounds every correction by ||W2_i|| ||z||: a token whose base logit plus that
-        bound (with a margin for low-precision rounding) is below the best corrected score among the
-        top base candidates `cand` cannot be the argmax. Usually a few dozen of the 49k rows survive,
-        so a depth costs microseconds instead of a full W2 product. Returns (token, ids, their corrected
-        scores) with `cand` among the ids. exact_full=True is the reference: the full product."""
-        w2 = self.head.embed_proj[2].weight
-        if exact_full:
-            full = base + F.linear(z, w2).float()
-            return int(torch.argmax(full)), torch.arange(len(full)), full
-        bound = self.w2_row_norms() * float(z.float().norm()) * (1 + 2 ** -6) + 1e-3
-        lower = (base[cand] + F.linear(z, w2[cand]).float()).max()
-        ids = (base + bound >= lower).nonzero()[:, 0]                 # ascending: ties break as argmax does
-        ids = torch.unique(torch.cat([ids, cand]))
-        scores = base[ids] + F.linear(z, w2[ids]).float()
-        return int(ids[torch.argmax(scores)]), ids, scores
-
     @torch.inference_mode()
-    def chain(self, draft: DraftOutput, root: int, target, depth: int, topm: int = 64,
-              exact_full: bool = False) -> tuple[list[int], list[float]]:
+    def chain(self, draft: DraftOutput, root: int, target, depth: int, topm: int = 64) -> tuple[list[int], list[float]]:
         """The Domino chain: tokens argmax(L_base + Delta L) over the whole vocabulary, depths 1..depth.
 
-        Only the argmax is taken over the vocabulary (corrected_argmax, pruned and exact); the
-        log-probs that label the chain's nodes are normalised over the top-`topm` base candidates."""
+        Only the argmax is taken over the vocabulary (one W2 product per depth); the log-probs
+        that label the chain's nodes are normalised over the top-`topm` base candidates."""
+        w2 = self.head.embed_proj[2].weight
         base_all = draft.base_logits[:depth]
         cand_all = torch.topk(base_all, min(topm, base_all.shape[-1]), dim=-1).indices
         state = self.root_state(root, target)
@@ -125,12 +96,11 @@ class DominoDrafter(DFlashDrafter):
                 tok = int(torch.argmax(base))
                 lp_tok = float(torch.log_softmax(base, -1)[tok])
             else:
-                z = self.head.low_rank(draft.hidden[d - 1][None], state)[0]
+                corr = F.linear(self.head.low_rank(draft.hidden[d - 1][None], state)[0], w2)
+                full = base + corr.float()
+                tok = int(torch.argmax(full))
                 cand = cand_all[d - 1]
-                tok, ids, scores = self.corrected_argmax(base, z, cand, exact_full)
-                in_cand = torch.isin(ids, cand)
-                lp_tok = (float(scores[ids == tok][0] - torch.logsumexp(scores[in_cand], -1))
-                          if bool((cand == tok).any()) else float("-inf"))
+                lp_tok = float(full[tok] - torch.logsumexp(full[cand], -1)) if bool((cand == tok).any()) else float("-inf")
             tokens.append(tok)
             logps.append(lp_tok)
             if d < depth:
