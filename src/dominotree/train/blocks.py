@@ -34,6 +34,7 @@ def make_batch(seqs, block_size: int, num_anchors: int, num_depths: int, mask_to
     mask = torch.zeros(B, 1, N * b, S + N * b, dtype=torch.bool)
     labels = torch.full((B, N, num_depths), -100, dtype=torch.long)
     truth = torch.zeros(B, N, b, dtype=torch.long)
+    soft_ids = soft_logp = None
     if topk is not None:
         k = topk[0][0].shape[-1]
         soft_ids = torch.full((B, N, num_depths, k), -1, dtype=torch.long)
@@ -62,10 +63,8 @@ def make_batch(seqs, block_size: int, num_anchors: int, num_depths: int, mask_to
             truth[i, n, :t_ok.sum()] = toks[a + offsets[t_ok]]
         for n in range(len(pick), N):                                 # unused slots: attend to themselves only
             mask[i, 0, n * b:(n + 1) * b, S + n * b:S + (n + 1) * b] = True
-    batch = BlockBatch(ctx, torch.arange(S).expand(B, S), block_ids, block_pos, mask, labels, truth)
-    if topk is not None:
-        batch.soft_ids, batch.soft_logp = soft_ids, soft_logp
-    return batch
+    return BlockBatch(ctx, torch.arange(S).expand(B, S), block_ids, block_pos, mask, labels, truth,
+                      soft_ids, soft_logp)
 
 
 def depth_weights(num_depths: int, gamma: float) -> torch.Tensor:

@@ -62,15 +62,32 @@ def length_batches(lens: np.ndarray, batch_tokens: int) -> list[list[int]]:
     return batches
 
 
+class TopkWriter:
+    """The top-k arrays of a store, written under temporary names and renamed when complete."""
+
+    def __init__(self, root: Path, total: int, k: int):
+        self.root = Path(root)
+        self.ids = np.lib.format.open_memmap(self.root / "topk_ids.tmp.npy", mode="w+", dtype=np.int32, shape=(total, k))
+        self.logp = np.lib.format.open_memmap(self.root / "topk_logp.tmp.npy", mode="w+", dtype=np.float16,
+                                              shape=(total, k))
+
+    def write(self, start: int, top, row: int, n: int) -> None:
+        self.ids[start:start + n] = top.indices[row, :n].numpy()
+        self.logp[start:start + n] = top.values[row, :n].numpy()
+
+    def close(self) -> None:
+        self.ids.flush(); self.logp.flush()
+        del self.ids, self.logp
+        for name in ("topk_ids", "topk_logp"):
+            (self.root / f"{name}.tmp.npy").rename(self.root / f"{name}.npy")
+
+
 @torch.inference_mode()
 def build_target_topk(target, store: FeatureStore, k: int = 8, batch_tokens: int = 4096) -> FeatureStore:
     """Add the target's top-k next-token log-probs at every position of a feature store: soft labels
     for distillation, and the target's own greedy choice where a response was sampled."""
     lens = np.diff(store.offsets)
-    total = int(store.offsets[-1])
-    ids_out = np.lib.format.open_memmap(store.root / "topk_ids.tmp.npy", mode="w+", dtype=np.int32, shape=(total, k))
-    logp_out = np.lib.format.open_memmap(store.root / "topk_logp.tmp.npy", mode="w+", dtype=np.float16,
-                                         shape=(total, k))
+    writer = TopkWriter(store.root, int(store.offsets[-1]), k)
     for batch in tqdm(length_batches(lens, batch_tokens), desc="target top-k"):
         w = int(max(lens[i] for i in batch))
         ids = torch.zeros(len(batch), w, dtype=torch.long)
@@ -79,13 +96,8 @@ def build_target_topk(target, store: FeatureStore, k: int = 8, batch_tokens: int
             ids[r, :lens[i]] = torch.from_numpy(np.asarray(store.tokens[a:a + lens[i]], dtype=np.int64))
         top = target_topk(target, target.model.base_model(input_ids=ids).last_hidden_state, k)
         for r, i in enumerate(batch):
-            a = int(store.offsets[i])
-            ids_out[a:a + lens[i]] = top.indices[r, :lens[i]].numpy()
-            logp_out[a:a + lens[i]] = top.values[r, :lens[i]].numpy()
-    ids_out.flush(); logp_out.flush()
-    del ids_out, logp_out
-    for name in ("topk_ids", "topk_logp"):
-        (store.root / f"{name}.tmp.npy").rename(store.root / f"{name}.npy")
+            writer.write(int(store.offsets[i]), top, r, int(lens[i]))
+    writer.close()
     return FeatureStore(store.root)
 
 
@@ -111,9 +123,7 @@ def build_feature_store(target, data_dir: Path, out: Path, layer_ids: list[int],
     dim = len(layer_ids) * target.hidden_size
     total = int(offsets[-1])
     feats = np.memmap(out / "features.u16", dtype=np.uint16, mode="w+", shape=(total, dim))
-    if topk:
-        top_ids = np.lib.format.open_memmap(out / "topk_ids.npy", mode="w+", dtype=np.int32, shape=(total, topk))
-        top_logp = np.lib.format.open_memmap(out / "topk_logp.npy", mode="w+", dtype=np.float16, shape=(total, topk))
+    writer = TopkWriter(out, total, topk) if topk else None
     np.save(out / "tokens.npy", np.concatenate([s.tokens for s in seqs]).astype(np.int32))
     base = target.model.base_model
     for batch in tqdm(length_batches(lens, batch_tokens), desc="target features"):
@@ -126,12 +136,11 @@ def build_feature_store(target, data_dir: Path, out: Path, layer_ids: list[int],
         top = target_topk(target, hs[-1], topk) if topk else None
         for r, i in enumerate(batch):
             feats[offsets[i]:offsets[i + 1]] = f[r, :lens[i]].view(torch.uint16).numpy()
-            if top is not None:
-                top_ids[offsets[i]:offsets[i + 1]] = top.indices[r, :lens[i]].numpy()
-                top_logp[offsets[i]:offsets[i + 1]] = top.values[r, :lens[i]].numpy()
+            if writer:
+                writer.write(int(offsets[i]), top, r, int(lens[i]))
     feats.flush()
-    if topk:
-        top_ids.flush(); top_logp.flush()
+    if writer:
+        writer.close()
     (out / "features.json").write_text(json.dumps({
         "layer_ids": layer_ids, "dim": dim, "offsets": offsets.tolist(),
         "prompt_lens": [s.prompt_len for s in seqs], "target": target.name}))

@@ -20,9 +20,9 @@ RECIPE = dict(layer_ids=[1, 14, 27], num_layers=2, block_size=16, emb_dim=128, g
 # on the first depths (gamma 2), which a probe showed lifts chain tau; the Domino head goes back to
 # gamma 7 (its correction matters at the deeper depths; gamma 2 measured no better) (docs/TRAINING.md).
 STAGES = [
-    ("dflash", "dflash", dict(steps=2000, gamma=7.0, lr=1e-3), None),
-    ("dflash_ft", "dflash", dict(steps=2000, gamma=2.0, lr=5e-4), "dflash"),
-    ("domino", "domino", dict(steps=700, gamma=7.0, lr=1e-3), "dflash_ft"),
+    ("dflash", "dflash", dict(steps=RECIPE["dflash_steps"], gamma=7.0, lr=1e-3), None),
+    ("dflash_ft", "dflash", dict(steps=RECIPE["dflash_steps"], gamma=2.0, lr=5e-4), "dflash"),
+    ("domino", "domino", dict(steps=RECIPE["domino_steps"], gamma=7.0, lr=1e-3), "dflash_ft"),
 ]
 BUNDLED = {"dflash_ft": "smollm2-135m-dflash", "domino": "smollm2-135m-domino"}
 
