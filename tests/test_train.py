@@ -46,6 +46,39 @@ def test_features_match_the_target(tiny_target, tiny_data):
     assert torch.allclose(feats.float(), ref.float(), atol=0.05, rtol=0.02)   # stored in bf16
 
 
+def test_feature_store_grows_with_the_data_without_recomputing_the_old_sequences(tiny_target, tiny_data, tmp_path):
+    import shutil
+    import numpy as np
+    from dominotree.train.features import FeatureStore
+    root, store = tiny_data
+    shards = sorted((root / "data").glob("shard_*.npz"))
+    (tmp_path / "data").mkdir()
+    for s in shards[:2]:
+        shutil.copy(s, tmp_path / "data" / s.name)
+    small = build_feature_store(tiny_target, tmp_path / "data", tmp_path / "f", layer_ids=[1, 2], topk=4)
+    n_old, old_feats = len(small), np.array(small.feats)
+    old_bytes = (tmp_path / "f" / "features.u16").read_bytes()
+    # mark the kept prefix: if the grown store recomputed it, the mark would be gone
+    marked = bytearray(old_bytes)
+    marked[:2] = b"\xff\xff"
+    (tmp_path / "f" / "features.u16").write_bytes(bytes(marked))
+    shutil.copy(shards[2], tmp_path / "data" / shards[2].name)
+    grown = build_feature_store(tiny_target, tmp_path / "data", tmp_path / "f", layer_ids=[1, 2], topk=4)
+    assert len(grown) == len(store) > n_old
+    assert np.array_equal(grown.offsets, store.offsets) and np.array_equal(grown.tokens, store.tokens)
+    assert bytes(np.array(grown.feats[:1]).tobytes()[:2]) == b"\xff\xff"        # kept, not recomputed
+    a = int(grown.offsets[n_old])
+    assert np.array_equal(np.array(grown.feats[1:a]), old_feats[1:a])
+    for i in (n_old, len(store) - 1):                                              # new rows = a full build
+        torch.testing.assert_close(grown.sequence(i)[1].float(), store.sequence(i)[1].float(), atol=0.05, rtol=0.02)
+        assert torch.equal(grown.topk(i)[0][:, 0], store.topk(i)[0][:, 0])
+    assert torch.equal(grown.topk(0)[0], store.topk(0)[0])
+    # other taps or another top-k: rebuilt from scratch (the marked value is gone)
+    other = build_feature_store(tiny_target, tmp_path / "data", tmp_path / "f", layer_ids=[1, 2], topk=2)
+    assert bytes(np.array(other.feats[:1]).tobytes()[:2]) != b"\xff\xff" and other.topk(0)[0].shape[1] == 2
+    assert FeatureStore(tmp_path / "f").layer_ids == [1, 2]
+
+
 def test_target_topk_are_the_targets_next_token_log_probs(tiny_target, tiny_data, tmp_path):
     import shutil
     from dominotree.train.features import FeatureStore, build_target_topk

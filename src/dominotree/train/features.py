@@ -107,41 +107,76 @@ def target_topk(target, last_hidden: torch.Tensor, k: int):
     return torch.log_softmax(logits, -1).topk(k, -1)
 
 
+def _reusable_prefix(out: Path, tokens: np.ndarray, offsets: np.ndarray, layer_ids, topk: int, target_name: str) -> int:
+    """How many leading sequences an existing store at `out` already holds for this exact request
+    (same target, taps, top-k, and the same tokens for those sequences); 0 if none or incompatible."""
+    if not (out / "features.json").exists():
+        return 0
+    old = FeatureStore(out)
+    if old.layer_ids != list(layer_ids) or json.loads((out / "features.json").read_text()).get("target") != target_name:
+        return 0
+    old_k = 0 if old.topk_ids is None else old.topk_ids.shape[1]
+    n = len(old)
+    if old_k != topk or n > len(offsets) - 1 or not np.array_equal(old.offsets, offsets[:n + 1]):
+        return 0
+    if not np.array_equal(np.asarray(old.tokens), tokens[:old.offsets[-1]]):
+        return 0
+    return n
+
+
 @torch.inference_mode()
 def build_feature_store(target, data_dir: Path, out: Path, layer_ids: list[int], max_len: int = 768,
                         batch_tokens: int = 4096, topk: int = 0) -> FeatureStore:
     """Run the target over every (prompt + response), keep the tapped layers' outputs (and, with
-    topk > 0, the target's top-k next-token log-probs, in the same pass)."""
+    topk > 0, the target's top-k next-token log-probs, in the same pass).
+
+    When the data grew (more shards) and `out` holds the store of its first sequences, only the new
+    sequences are computed; the store stays readable as the old one until features.json is rewritten."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    for name in ("topk_ids", "topk_logp"):          # stale soft labels must not outlive the features
-        (out / f"{name}.npy").unlink(missing_ok=True)
     seqs = [s for s in read_shards(data_dir) if len(s.tokens) - s.prompt_len >= 2]
     seqs = [type(s)(s.tokens[:max_len], s.prompt_len, s.source) for s in seqs if s.prompt_len < max_len - 2]
     lens = np.array([len(s.tokens) for s in seqs])
     offsets = np.concatenate([[0], np.cumsum(lens)])
+    tokens = np.concatenate([s.tokens for s in seqs]).astype(np.int32)
     dim = len(layer_ids) * target.hidden_size
     total = int(offsets[-1])
-    feats = np.memmap(out / "features.u16", dtype=np.uint16, mode="w+", shape=(total, dim))
+    done = _reusable_prefix(out, tokens, offsets, layer_ids, topk, target.name)
+    start = int(offsets[done])
+    if done == 0:
+        (out / "features.json").unlink(missing_ok=True)
+        for name in ("topk_ids", "topk_logp"):      # stale soft labels must not outlive the features
+            (out / f"{name}.npy").unlink(missing_ok=True)
+        (out / "features.u16").unlink(missing_ok=True)
+    with open(out / "features.u16", "ab") as f:     # grow (or create) the file; the kept prefix is untouched
+        f.truncate(total * dim * 2)
+    feats = np.memmap(out / "features.u16", dtype=np.uint16, mode="r+", shape=(total, dim))
     writer = TopkWriter(out, total, topk) if topk else None
-    np.save(out / "tokens.npy", np.concatenate([s.tokens for s in seqs]).astype(np.int32))
+    if writer and done:
+        old = FeatureStore(out)
+        writer.ids[:start], writer.logp[:start] = old.topk_ids, old.topk_logp
+    np.save(out / "tokens.npy", tokens)
     base = target.model.base_model
-    for batch in tqdm(length_batches(lens, batch_tokens), desc="target features"):
+    todo = np.arange(done, len(seqs))
+    print(f"target features: {done} sequences kept, {len(todo)} to compute")
+    for part in tqdm(length_batches(lens[todo], batch_tokens), desc="target features"):
+        batch = todo[part]
         w = int(max(lens[i] for i in batch))
         ids = torch.zeros(len(batch), w, dtype=torch.long)
         for r, i in enumerate(batch):
             ids[r, :lens[i]] = torch.from_numpy(seqs[i].tokens)
         hs = base(input_ids=ids, output_hidden_states=True).hidden_states   # right padding: causal, harmless
-        f = torch.cat([hs[l + 1] for l in layer_ids], -1).to(torch.bfloat16)
+        fts = torch.cat([hs[l + 1] for l in layer_ids], -1).to(torch.bfloat16)
         top = target_topk(target, hs[-1], topk) if topk else None
         for r, i in enumerate(batch):
-            feats[offsets[i]:offsets[i + 1]] = f[r, :lens[i]].view(torch.uint16).numpy()
+            feats[offsets[i]:offsets[i + 1]] = fts[r, :lens[i]].view(torch.uint16).numpy()
             if writer:
                 writer.write(int(offsets[i]), top, r, int(lens[i]))
     feats.flush()
+    del feats
     if writer:
         writer.close()
     (out / "features.json").write_text(json.dumps({
-        "layer_ids": layer_ids, "dim": dim, "offsets": offsets.tolist(),
+        "layer_ids": list(layer_ids), "dim": dim, "offsets": offsets.tolist(),
         "prompt_lens": [s.prompt_len for s in seqs], "target": target.name}))
     return FeatureStore(out)
