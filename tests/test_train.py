@@ -144,6 +144,23 @@ def test_training_learns_and_saves_a_loadable_drafter(tiny_target, tiny_data, tm
     assert out.stats["tau"] > 1.3
 
 
+def test_domino_run_continues_a_domino_checkpoint_head_and_all(tiny_target, tiny_data, tmp_path):
+    _, store = tiny_data
+    kw = dict(seqs_per_step=2, anchors_per_seq=3, num_layers=1, block_size=6, intermediate_size=64, num_heads=4,
+              num_kv_heads=2, mask_token_id=3, head=True, shift_label=True, emb_dim=16, gru_hidden_dim=24,
+              save_every=5, log_every=5)
+    train(tiny_target, store, TrainConfig(out=str(tmp_path / "a"), steps=5, **kw), progress=False)
+    # lr 0: the continued run's weights are exactly the checkpoint it started from
+    train(tiny_target, store, TrainConfig(out=str(tmp_path / "b"), steps=1, lr=0.0, init_from=str(tmp_path / "a" / "model"),
+                                          **kw), progress=False)
+    a, b = (dt.load_drafter(str(tmp_path / r / "model"), target=tiny_target) for r in "ab")
+    assert torch.equal(a.head.prefix_gru.weight_hh_l0, b.head.prefix_gru.weight_hh_l0)
+    assert torch.equal(a.head.embed_proj[0].weight, b.head.embed_proj[0].weight)
+    with pytest.raises(ValueError, match="does not fit"):
+        train(tiny_target, store, TrainConfig(out=str(tmp_path / "c"), steps=1, init_from=str(tmp_path / "a" / "model"),
+                                              **{**kw, "gru_hidden_dim": 32}), progress=False)
+
+
 def test_training_resumes(tiny_target, tiny_data, tmp_path):
     _, store = tiny_data
     kw = dict(out=str(tmp_path / "r"), seqs_per_step=2, anchors_per_seq=4, num_layers=1, block_size=4,

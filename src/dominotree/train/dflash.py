@@ -48,7 +48,7 @@ class TrainConfig:
     pure_draft_prefix_len: int = 1
     curriculum: bool = True       # lambda 1 -> 0 linearly; False: final-logit loss only
     ttt: bool = False             # GRU fed its own drafts instead of the ground truth
-    init_from: str | None = None  # start the backbone from a trained drafter checkpoint dir
+    init_from: str | None = None  # start from a trained drafter checkpoint dir (backbone; head too if both have one)
     init_layers: str = "random"   # "target": draft layers start as the target's last layers (train/target_init.py)
     # "data": the softmax of the loss runs over the tokens that occur in the training data (~10k of
     # SmolLM2's 49k; the LM-head product is most of a step's cost) plus `negatives` other tokens drawn
@@ -103,6 +103,12 @@ def train(target, store: FeatureStore, tc: TrainConfig, progress: bool = True):
         from ..drafters import load_checkpoint
         init = load_checkpoint(Path(tc.init_from))
         drafter.backbone.load_state_dict({k: v.float() for k, v in init.backbone.state_dict().items()})
+        if tc.head and getattr(init, "head", None) is not None:   # a Domino checkpoint: continue its head too
+            try:
+                drafter.head.load_state_dict({k: v.float() for k, v in init.head.state_dict().items()})
+            except RuntimeError as e:
+                raise ValueError(f"the head of {tc.init_from} does not fit this run's head "
+                                 f"(emb_dim {tc.emb_dim}, gru_hidden_dim {tc.gru_hidden_dim}): {e}") from None
     modules = [drafter.backbone] + ([drafter.head] if tc.head else [])
     for m in modules:
         m.float().train()

@@ -56,7 +56,7 @@ def add_train_parser(sub) -> None:
         r.add_argument("--lr", type=float, default=1e-3)
         r.add_argument("--seqs-per-step", type=int, default=RECIPE["seqs_per_step"])
         r.add_argument("--anchors-per-seq", type=int, default=RECIPE["anchors_per_seq"])
-        r.add_argument("--init-from", default=None, help="start the backbone from this drafter checkpoint dir")
+        r.add_argument("--init-from", default=None, help="start from this drafter checkpoint dir (its backbone; its head too for a domino run)")
         r.add_argument("--num-layers", type=int, default=RECIPE["num_layers"])
         r.add_argument("--init-layers", choices=["random", "target"], default=RECIPE["init_layers"],
                        help="draft layers start random or as the target's last layers")
