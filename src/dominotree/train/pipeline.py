@@ -18,13 +18,18 @@ RECIPE = dict(layer_ids=[1, 14, 27], num_layers=2, block_size=16, emb_dim=128, g
 # `train all`: the stages behind the bundled drafters, in order (run dir, trainer, overrides, start).
 # The DFlash backbone first learns all 16 depths (gamma 7), then a second phase concentrates the loss
 # on the first depths (gamma 2), which a probe showed lifts chain tau; the Domino head goes back to
-# gamma 7 (its correction matters at the deeper depths; gamma 2 measured no better) (docs/TRAINING.md).
+# gamma 7 (its correction matters at the deeper depths; gamma 2 measured no better). The last two
+# stages continue both drafters (the bundled ones ran them after `train data` had grown by 60%);
+# the continued Domino run trains the final logits only: restarting the curriculum at lambda 1
+# pulled the backbone away from its trained head (docs/TRAINING.md).
 STAGES = [
     ("dflash", "dflash", dict(steps=RECIPE["dflash_steps"], gamma=7.0, lr=1e-3), None),
     ("dflash_ft", "dflash", dict(steps=RECIPE["dflash_steps"], gamma=2.0, lr=5e-4), "dflash"),
     ("domino", "domino", dict(steps=RECIPE["domino_steps"], gamma=7.0, lr=1e-3), "dflash_ft"),
+    ("dflash_ft2", "dflash", dict(steps=RECIPE["dflash_steps"], gamma=2.0, lr=5e-4), "dflash_ft"),
+    ("domino_ft", "domino", dict(steps=500, gamma=7.0, lr=5e-4, no_curriculum=True), "domino"),
 ]
-BUNDLED = {"dflash_ft": "smollm2-135m-dflash", "domino": "smollm2-135m-domino"}
+BUNDLED = {"dflash_ft2": "smollm2-135m-dflash", "domino_ft": "smollm2-135m-domino"}
 
 
 def add_train_parser(sub) -> None:
