@@ -203,3 +203,18 @@ def test_tree_helpers():
     assert cut.tokens.tolist() == [9, 1, 2] and cut.parents.tolist() == [-1, 0, 0]
     with pytest.raises(ValueError):
         DraftTree.from_lists([1, 2], [-1, 1])
+
+
+def test_profile_measures_every_tree_size_and_leaves_the_target_clean(tiny_target):
+    import dominotree as dt
+    from conftest import random_drafter
+    from dominotree.trees.caddtree import profile
+    drafter = random_drafter(False, seed=1)
+    before = dt.generate(tiny_target, drafter, [5, 6, 7], method="ddtree", max_new_tokens=12).token_ids
+    cm = profile(tiny_target, drafter, max_nodes=6, contexts=(8, 24), repeats=2, progress=False)
+    assert sorted(cm.curves) == [8, 24] and all(len(c) == 7 for c in cm.curves.values())
+    assert all(b >= a for c in cm.curves.values() for a, b in zip(c, c[1:]))     # non-decreasing fit
+    assert cm.c_draft > 0 and tiny_target.length == 0
+    # the target and the drafter decode exactly as before the profile
+    assert dt.generate(tiny_target, drafter, [5, 6, 7], method="ddtree", max_new_tokens=12).token_ids == before
+    assert before == dt.generate(tiny_target, None, [5, 6, 7], method="ar", max_new_tokens=12).token_ids

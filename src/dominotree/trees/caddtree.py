@@ -108,21 +108,31 @@ def profile(target, drafter, max_nodes: int = 64, contexts=(128, 512, 1024), rep
                 drafter.draft(int(prompt[-1]), ctx, target)
                 draft_times.append((time.perf_counter() - t0) * 1e3)
             draft_times.pop(-repeats - 1)   # warm-up
-        samples[ctx] = {}
+        trees = {}
         for n in range(1, max_nodes + 1):
             parents = [-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, n + 1)]
-            tree = DraftTree.from_lists(torch.randint(3, V, (n + 1,), generator=g).tolist(), parents)
-            times = []
-            for _ in range(repeats):
-                t0 = time.perf_counter()
-                target.verify(tree, features=drafter is not None)
-                times.append((time.perf_counter() - t0) * 1e3)
-                target.commit([0])
-                target._crop(ctx)
-                target.length = ctx
+            trees[n] = DraftTree.from_lists(torch.randint(3, V, (n + 1,), generator=g).tolist(), parents)
+        samples[ctx] = {n: [] for n in trees}
+        for n in (1, max_nodes):                      # warm-up: the first calls of a shape are slow
+            _timed_verify(target, trees[n], ctx, drafter is not None)
+        # one pass over every n per repeat: a burst of load from elsewhere hits one sample of many
+        # sizes (which the median drops), not every sample of a few sizes (which it cannot)
+        for _ in range(repeats):
+            for n, tree in trees.items():
+                samples[ctx][n].append(_timed_verify(target, tree, ctx, drafter is not None))
                 bar.update()
-            samples[ctx][n] = times
     bar.close()
     target.reset()
     c_draft = statistics.median(draft_times) if draft_times else 0.0
     return CostModel.fit(c_draft, samples)
+
+
+def _timed_verify(target, tree: DraftTree, ctx: int, features: bool) -> float:
+    """ms of one tree verify at context length ctx; the target is put back to ctx tokens after."""
+    t0 = time.perf_counter()
+    target.verify(tree, features=features)
+    ms = (time.perf_counter() - t0) * 1e3
+    target.commit([0])
+    target._crop(ctx)
+    target.length = ctx
+    return ms
