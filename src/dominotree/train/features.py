@@ -19,6 +19,7 @@ class FeatureStore:
         self.root = Path(root)
         meta = json.loads((self.root / "features.json").read_text())
         self.layer_ids = meta["layer_ids"]
+        self.target = meta.get("target")
         self.dim = meta["dim"]
         self.offsets = np.array(meta["offsets"], dtype=np.int64)
         self.prompt_lens = np.array(meta["prompt_lens"], dtype=np.int64)
@@ -107,21 +108,20 @@ def target_topk(target, last_hidden: torch.Tensor, k: int):
     return torch.log_softmax(logits, -1).topk(k, -1)
 
 
-def _reusable_prefix(out: Path, tokens: np.ndarray, offsets: np.ndarray, layer_ids, topk: int, target_name: str) -> int:
-    """How many leading sequences an existing store at `out` already holds for this exact request
-    (same target, taps, top-k, and the same tokens for those sequences); 0 if none or incompatible."""
+def _reusable_prefix(out: Path, tokens: np.ndarray, offsets: np.ndarray, layer_ids, topk: int,
+                     target_name: str) -> "FeatureStore | None":
+    """The existing store at `out` if it holds leading sequences of this exact request (same target,
+    taps, top-k, and the same tokens for those sequences); None if there is none or it does not fit."""
     if not (out / "features.json").exists():
-        return 0
+        return None
     old = FeatureStore(out)
-    if old.layer_ids != list(layer_ids) or json.loads((out / "features.json").read_text()).get("target") != target_name:
-        return 0
     old_k = 0 if old.topk_ids is None else old.topk_ids.shape[1]
     n = len(old)
-    if old_k != topk or n > len(offsets) - 1 or not np.array_equal(old.offsets, offsets[:n + 1]):
-        return 0
-    if not np.array_equal(np.asarray(old.tokens), tokens[:old.offsets[-1]]):
-        return 0
-    return n
+    if (old.layer_ids != list(layer_ids) or old.target != target_name or old_k != topk
+            or n > len(offsets) - 1 or not np.array_equal(old.offsets, offsets[:n + 1])
+            or not np.array_equal(np.asarray(old.tokens), tokens[:old.offsets[-1]])):
+        return None
+    return old
 
 
 @torch.inference_mode()
@@ -141,9 +141,9 @@ def build_feature_store(target, data_dir: Path, out: Path, layer_ids: list[int],
     tokens = np.concatenate([s.tokens for s in seqs]).astype(np.int32)
     dim = len(layer_ids) * target.hidden_size
     total = int(offsets[-1])
-    done = _reusable_prefix(out, tokens, offsets, layer_ids, topk, target.name)
-    start = int(offsets[done])
-    if done == 0:
+    old = _reusable_prefix(out, tokens, offsets, layer_ids, topk, target.name)
+    done = len(old) if old is not None else 0
+    if old is None:
         (out / "features.json").unlink(missing_ok=True)
         for name in ("topk_ids", "topk_logp"):      # stale soft labels must not outlive the features
             (out / f"{name}.npy").unlink(missing_ok=True)
@@ -153,8 +153,8 @@ def build_feature_store(target, data_dir: Path, out: Path, layer_ids: list[int],
     feats = np.memmap(out / "features.u16", dtype=np.uint16, mode="r+", shape=(total, dim))
     writer = TopkWriter(out, total, topk) if topk else None
     if writer and done:
-        old = FeatureStore(out)
-        writer.ids[:start], writer.logp[:start] = old.topk_ids, old.topk_logp
+        kept = int(offsets[done])
+        writer.ids[:kept], writer.logp[:kept] = old.topk_ids, old.topk_logp
     np.save(out / "tokens.npy", tokens)
     base = target.model.base_model
     todo = np.arange(done, len(seqs))
