@@ -46,6 +46,8 @@ def add_train_parser(sub) -> None:
     d.add_argument("--num-prompts", type=int, default=12000)
     d.add_argument("--max-new-tokens", type=int, default=256)
     d.add_argument("--time-limit", type=float, default=None, help="stop starting new shards after N seconds")
+    d.add_argument("--batch-size", type=int, default=64,
+                   help="rows decoded together (128 is ~15%% faster per token on 2 cores; 64 is the recipe's)")
 
     f = ts.add_parser("features", help="cache the target's tapped-layer features")
     common(f)
@@ -101,7 +103,8 @@ def run_data(args, target=None):
     from .data import generate_data
     target = target or _target(args)
     generate_data(target, Path(args.workdir) / "data", num_prompts=args.num_prompts,
-                  max_new_tokens=getattr(args, "max_new_tokens", 256), time_limit_s=getattr(args, "time_limit", None))
+                  max_new_tokens=getattr(args, "max_new_tokens", 256), time_limit_s=getattr(args, "time_limit", None),
+                  batch_size=getattr(args, "batch_size", 64))
 
 
 def run_features(args, target=None):
