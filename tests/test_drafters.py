@@ -189,3 +189,53 @@ def test_domino_chain_is_the_full_vocabulary_argmax(tiny_target, seed, topm):
         ref.append(int(torch.argmax(logits)))
         state = d.head.gru_step(state, tiny_target.embed(torch.tensor([ref[-1]])))
     assert tokens == ref
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("topm", [2, 96])
+def test_domino_chain_pruned_equals_full_product(tiny_target, seed, topm):
+    """The pruned argmax (only tokens that can win are scored) gives the reference chain exactly."""
+    d = random_drafter(True, seed=seed)
+    tiny_target.set_taps(d.target_layer_ids)
+    d.reset()
+    d.add_context(tiny_target.prefill([1, 5, 6, 7]).features, 0)
+    out = d.draft(9, 4, tiny_target)
+    assert d.chain(out, 9, tiny_target, d.num_depths, topm=topm) == \
+        d.chain(out, 9, tiny_target, d.num_depths, topm=topm, pruned=False)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_corrected_argmax_is_exact_and_prunes(seed):
+    from dominotree.drafters.domino import W2Bound, corrected_argmax
+    g = torch.Generator().manual_seed(seed)
+    V, r, M = 3000, 16, 8
+    w2 = torch.randn(V, r, generator=g) * 0.1
+    w2 += torch.randn(V, 1, generator=g) * torch.randn(1, r, generator=g)   # a dominant direction, as trained heads have
+    w2[7] = w2[5]                                      # a duplicate row: exact ties must break low
+    base = torch.randn(V, generator=g) * (1 + seed % 4)
+    base[5] = base[7] = base.max() + 0.5 * (seed % 3)
+    z = torch.randn(r, generator=g) * (0.3 if seed % 2 else 4.0)
+    cand = torch.topk(base, M).indices
+    if seed % 5 == 0:                                  # the winner lies outside the candidates
+        outside = int(torch.topk(base, M + 1).indices[-1])
+        w2[outside] = z / z.norm() * 50
+    full = base + w2 @ z
+    tok, corr_c, scored = corrected_argmax(base, z, W2Bound(w2, k=4), cand)
+    assert tok == int(torch.argmax(full))
+    assert torch.allclose(corr_c, full[cand])
+    if seed % 2 and seed % 5:                          # small corrections: almost nothing scored
+        assert scored < V // 10
+
+
+@pytest.mark.parametrize("k", [0, 3, 16])
+def test_w2_bound_is_an_upper_bound(k):
+    from dominotree.drafters.domino import W2Bound
+    g = torch.Generator().manual_seed(k)
+    w2 = torch.randn(500, 12, generator=g) + 3 * torch.randn(500, 1, generator=g) * torch.randn(1, 12, generator=g)
+    bound = W2Bound(w2, k=k)
+    for _ in range(20):
+        z = torch.randn(12, generator=g) * 5
+        gap = bound.upper(z) - w2 @ z
+        assert gap.min() >= -1e-4
+    if k == 12 or k == 16:                             # the full basis: the bound is exact
+        assert gap.abs().max() < 1e-3

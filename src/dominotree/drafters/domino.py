@@ -7,6 +7,8 @@ subset only (what DominoTree's top-M restriction uses).
 """
 from __future__ import annotations
 
+import copy
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -58,6 +60,44 @@ class DominoHead(nn.Module):
         return torch.einsum("nr,nmr->nm", z, w2[candidates])
 
 
+class W2Bound:
+    """W2 split along its top-k right singular directions, for bounding W2 z without reading W2.
+
+    W2_v z = (U_v . P^T z) + (R_v . z) with U = W2 P and R = W2 - U P^T, so
+    W2_v z <= U_v . P^T z + |R_v| |z - P P^T z|. The head's W2 concentrates most of its energy in a
+    few directions, so the bound is tight where the plain |W2_v| |z| is not."""
+
+    def __init__(self, w2: torch.Tensor, k: int = 16):
+        self.w2 = w2.detach().float()
+        k = min(k, min(self.w2.shape))
+        self.p = torch.linalg.svd(self.w2, full_matrices=False).Vh[:k].T.contiguous()   # [r, k]
+        self.u = (self.w2 @ self.p).contiguous()                                        # [V, k]
+        self.res_norms = (self.w2 - self.u @ self.p.T).norm(dim=-1)                      # [V]
+
+    def upper(self, z: torch.Tensor) -> torch.Tensor:
+        zp = self.p.T @ z
+        return self.u @ zp + self.res_norms * (z - self.p @ zp).norm()
+
+
+def corrected_argmax(base: torch.Tensor, z: torch.Tensor, bound: W2Bound,
+                     cand: torch.Tensor) -> tuple[int, torch.Tensor, int]:
+    """argmax over the whole vocabulary of base + W2 z, without the full W2 product.
+
+    Only the tokens whose upper bound (`W2Bound`) reaches the best corrected candidate can win,
+    so only they are scored exactly. Returns (token, corrected logits of `cand`, tokens scored).
+    Ties go to the lowest token id, as torch.argmax over the full vector does."""
+    w2 = bound.w2
+    corr_c = base[cand] + w2[cand] @ z
+    best = corr_c.max()
+    reach = base + bound.upper(z) >= best - 1e-4 * (1 + best.abs())   # slack for rounding
+    reach[cand] = False
+    rest = reach.nonzero().flatten()
+    ids = torch.cat([cand, rest])
+    vals = torch.cat([corr_c, base[rest] + w2[rest] @ z])
+    tok = int(ids[vals == vals.max()].min())
+    return tok, corr_c, len(ids)
+
+
 class DominoDrafter(DFlashDrafter):
     """Backbone + head. Depth d uses the correction iff d > pure_draft_prefix_len; the state used
     at depth d has consumed the root and the tokens at depths 1..d-1."""
@@ -79,16 +119,28 @@ class DominoDrafter(DFlashDrafter):
         emb = target.embed(torch.tensor([root]))
         return self.head.gru_step(self.head.zero_state(1), emb)
 
+    def _float_head(self) -> tuple["DominoHead", W2Bound]:
+        """A float32 copy of the head and W2's bound, made once per weight tensor: the chain's
+        per-depth matrix-vector products are ~10x slower in bf16 on CPU."""
+        w2 = self.head.embed_proj[2].weight
+        if getattr(self, "_float_cache", (None,))[0] is not w2:
+            self._float_cache = (w2, copy.deepcopy(self.head).float(), W2Bound(w2))
+        return self._float_cache[1], self._float_cache[2]
+
     @torch.inference_mode()
-    def chain(self, draft: DraftOutput, root: int, target, depth: int, topm: int = 64) -> tuple[list[int], list[float]]:
+    def chain(self, draft: DraftOutput, root: int, target, depth: int, topm: int = 64,
+              pruned: bool = True) -> tuple[list[int], list[float]]:
         """The Domino chain: tokens argmax(L_base + Delta L) over the whole vocabulary, depths 1..depth.
 
-        Only the argmax is taken over the vocabulary (one W2 product per depth); the log-probs
-        that label the chain's nodes are normalised over the top-`topm` base candidates."""
-        w2 = self.head.embed_proj[2].weight
-        base_all = draft.base_logits[:depth]
+        The argmax is exact over the vocabulary; `pruned` scores only the tokens that can win
+        (`corrected_argmax`), `pruned=False` is the reference full W2 product per depth. The
+        log-probs that label the chain's nodes are normalised over the top-`topm` base candidates.
+        The correction is computed in float32, as the tree builders do."""
+        head, bound = self._float_head()
+        w2, hidden = bound.w2, draft.hidden[:depth].float()
+        base_all = draft.base_logits[:depth].float()
         cand_all = torch.topk(base_all, min(topm, base_all.shape[-1]), dim=-1).indices
-        state = self.root_state(root, target)
+        state = head.gru_step(head.zero_state(1), target.embed(torch.tensor([root])))
         tokens, logps = [], []
         for d in range(1, depth + 1):
             base = base_all[d - 1]
@@ -96,13 +148,17 @@ class DominoDrafter(DFlashDrafter):
                 tok = int(torch.argmax(base))
                 lp_tok = float(torch.log_softmax(base, -1)[tok])
             else:
-                corr = F.linear(self.head.low_rank(draft.hidden[d - 1][None], state)[0], w2)
-                full = base + corr.float()
-                tok = int(torch.argmax(full))
+                z = head.low_rank(hidden[d - 1][None], state)[0]
                 cand = cand_all[d - 1]
-                lp_tok = float(full[tok] - torch.logsumexp(full[cand], -1)) if bool((cand == tok).any()) else float("-inf")
+                if pruned:
+                    tok, corr_c, _ = corrected_argmax(base, z, bound, cand)
+                else:
+                    full = base + F.linear(z, w2)
+                    tok, corr_c = int(torch.argmax(full)), full[cand]
+                hit = (cand == tok).nonzero()
+                lp_tok = float(corr_c[hit[0, 0]] - torch.logsumexp(corr_c, -1)) if len(hit) else float("-inf")
             tokens.append(tok)
             logps.append(lp_tok)
             if d < depth:
-                state = self.head.gru_step(state, target.embed(torch.tensor([tok])))
+                state = head.gru_step(state, target.embed(torch.tensor([tok])))
         return tokens, logps
