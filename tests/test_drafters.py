@@ -170,15 +170,20 @@ def test_unknown_drafter_name():
         dt.load_drafter("nope-drafter")
 
 
-@pytest.mark.parametrize("seed", range(6))
-@pytest.mark.parametrize("topm", [2, 96])
-def test_domino_chain_is_the_full_vocabulary_argmax(tiny_target, seed, topm):
-    """The chain is the full-vocabulary argmax of the corrected logits: compare with a plain loop."""
+def _domino_draft(tiny_target, seed):
+    """A random Domino drafter and its draft after the context [1, 5, 6, 7], root 9."""
     d = random_drafter(True, seed=seed)
     tiny_target.set_taps(d.target_layer_ids)
     d.reset()
     d.add_context(tiny_target.prefill([1, 5, 6, 7]).features, 0)
-    out = d.draft(9, 4, tiny_target)
+    return d, d.draft(9, 4, tiny_target)
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("topm", [2, 96])
+def test_domino_chain_is_the_full_vocabulary_argmax(tiny_target, seed, topm):
+    """The chain is the full-vocabulary argmax of the corrected logits: compare with a plain loop."""
+    d, out = _domino_draft(tiny_target, seed)
     tokens, _ = d.chain(out, 9, tiny_target, d.num_depths, topm=topm)
     state = d.head.gru_step(d.head.zero_state(1), tiny_target.embed(torch.tensor([9])))
     ref = []
@@ -195,11 +200,7 @@ def test_domino_chain_is_the_full_vocabulary_argmax(tiny_target, seed, topm):
 @pytest.mark.parametrize("topm", [2, 96])
 def test_domino_chain_pruned_equals_full_product(tiny_target, seed, topm):
     """The pruned argmax (only tokens that can win are scored) gives the reference chain exactly."""
-    d = random_drafter(True, seed=seed)
-    tiny_target.set_taps(d.target_layer_ids)
-    d.reset()
-    d.add_context(tiny_target.prefill([1, 5, 6, 7]).features, 0)
-    out = d.draft(9, 4, tiny_target)
+    d, out = _domino_draft(tiny_target, seed)
     assert d.chain(out, 9, tiny_target, d.num_depths, topm=topm) == \
         d.chain(out, 9, tiny_target, d.num_depths, topm=topm, pruned=False)
 
