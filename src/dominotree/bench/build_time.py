@@ -5,7 +5,6 @@ each recorded draft, interleaved (reference, fast, fast, reference, ...), and mu
 identical tree. Reports medians and the ratio (`dominotree bench --build-time`)."""
 from __future__ import annotations
 
-import copy
 import statistics
 import time
 
@@ -36,7 +35,7 @@ def record_drafts(target, drafter, prompts, max_new_tokens=64, budget=16) -> lis
 
 
 def time_builders(target, drafter, drafts, budget=16, node_topk=8, corr_topm=64, repeats=3) -> dict:
-    head = copy.deepcopy(drafter.head).float()
+    head = drafter.float_head()
     weights = HeadWeights(head)
     embed = target.model.get_input_embeddings().weight
     kw = dict(node_topk=node_topk, corr_topm=corr_topm, prefix_len=drafter.prefix_len)

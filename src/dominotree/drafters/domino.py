@@ -115,17 +115,33 @@ class DominoDrafter(DFlashDrafter):
     def prefix_len(self) -> int:
         return self.config.pure_draft_prefix_len
 
-    def root_state(self, root: int, target) -> torch.Tensor:
-        emb = target.embed(torch.tensor([root]))
-        return self.head.gru_step(self.head.zero_state(1), emb)
+    def _float_cache_entry(self) -> dict:
+        """float32 head (and, lazily, W2's bound) for the current weights; remade when the head's
+        weights change (moved, cast or updated in place)."""
+        key = tuple((w.data_ptr(), w.dtype, w._version) for w in self.head.parameters())
+        if getattr(self, "_float_cache", {}).get("key") != key:
+            with torch.inference_mode(False):   # usable outside inference mode too (the builders)
+                head = copy.deepcopy(self.head).float().requires_grad_(False)
+            self._float_cache = {"key": key, "head": head, "bound": None}
+        return self._float_cache
 
-    def _float_head(self) -> tuple["DominoHead", W2Bound]:
-        """A float32 copy of the head and W2's bound, made once per weight tensor: the chain's
-        per-depth matrix-vector products are ~10x slower in bf16 on CPU."""
-        w2 = self.head.embed_proj[2].weight
-        if getattr(self, "_float_cache", (None,))[0] is not w2:
-            self._float_cache = (w2, copy.deepcopy(self.head).float(), W2Bound(w2))
-        return self._float_cache[1], self._float_cache[2]
+    def float_head(self) -> DominoHead:
+        """A float32 copy of the head, shared by the chain and the tree builders (they score in
+        float32: the per-node matrix-vector products are ~10x slower in bf16 on CPU)."""
+        return self._float_cache_entry()["head"]
+
+    def w2_bound(self) -> W2Bound:
+        """The chain's bound on W2 z (`corrected_argmax`), built on the float head's W2."""
+        entry = self._float_cache_entry()
+        if entry["bound"] is None:
+            with torch.inference_mode(False):
+                entry["bound"] = W2Bound(entry["head"].embed_proj[2].weight)
+        return entry["bound"]
+
+    def root_state(self, root: int, target) -> torch.Tensor:
+        """The float head's GRU state after the root token."""
+        head = self.float_head()
+        return head.gru_step(head.zero_state(1), target.embed(torch.tensor([root])))
 
     @torch.inference_mode()
     def chain(self, draft: DraftOutput, root: int, target, depth: int, topm: int = 64,
@@ -136,11 +152,11 @@ class DominoDrafter(DFlashDrafter):
         (`corrected_argmax`), `pruned=False` is the reference full W2 product per depth. The
         log-probs that label the chain's nodes are normalised over the top-`topm` base candidates.
         The correction is computed in float32, as the tree builders do."""
-        head, bound = self._float_head()
+        head, bound = self.float_head(), self.w2_bound()
         w2, hidden = bound.w2, draft.hidden[:depth].float()
         base_all = draft.base_logits[:depth].float()
         cand_all = torch.topk(base_all, min(topm, base_all.shape[-1]), dim=-1).indices
-        state = head.gru_step(head.zero_state(1), target.embed(torch.tensor([root])))
+        state = self.root_state(root, target)
         tokens, logps = [], []
         for d in range(1, depth + 1):
             base = base_all[d - 1]

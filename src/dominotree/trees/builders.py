@@ -1,7 +1,6 @@
 """Chooses the tree builder for a method, once per request: build(draft, root, start, max_depth)."""
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 
 import torch
@@ -34,7 +33,7 @@ def make_builder(cfg: SpecConfig, target, drafter):
                          f"{drafter.name!r} is a plain DFlash drafter")
     cost = load_cost_model(cfg, target) if method in ("caddtree", "condadaptive") else None
     if needs_head and method != "domino":
-        head32 = copy.deepcopy(drafter.head).float()   # builders score in float32
+        head32 = drafter.float_head()   # builders score in float32
         weights = HeadWeights(head32)
         embed_w = target.model.get_input_embeddings().weight
         tree_fn = build_dominotree_fast if cfg.builder == "fast" else build_dominotree
