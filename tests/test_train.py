@@ -156,9 +156,40 @@ def test_domino_run_continues_a_domino_checkpoint_head_and_all(tiny_target, tiny
     a, b = (dt.load_drafter(str(tmp_path / r / "model"), target=tiny_target) for r in "ab")
     assert torch.equal(a.head.prefix_gru.weight_hh_l0, b.head.prefix_gru.weight_hh_l0)
     assert torch.equal(a.head.embed_proj[0].weight, b.head.embed_proj[0].weight)
+    assert torch.equal(a.head.embed_proj[2].weight, b.head.embed_proj[2].weight)   # unseen rows kept too
     with pytest.raises(ValueError, match="does not fit"):
         train(tiny_target, store, TrainConfig(out=str(tmp_path / "c"), steps=1, init_from=str(tmp_path / "a" / "model"),
                                               **{**kw, "gru_hidden_dim": 32}), progress=False)
+
+
+def test_head_only_run_keeps_the_dflash_backbone_and_learns_the_head(tiny_target, tiny_data, tmp_path):
+    _, store = tiny_data
+    kw = dict(seqs_per_step=4, anchors_per_seq=6, num_layers=1, block_size=6, intermediate_size=64, num_heads=4,
+              num_kv_heads=2, mask_token_id=3, shift_label=True, emb_dim=16, gru_hidden_dim=24, save_every=40,
+              log_every=10, lr=3e-3)
+    train(tiny_target, store, TrainConfig(out=str(tmp_path / "dflash"), steps=30, **kw), progress=False)
+    base = str(tmp_path / "dflash" / "model")
+    train(tiny_target, store, TrainConfig(out=str(tmp_path / "head"), steps=40, head=True, init_from=base,
+                                          freeze_backbone=True, **kw), progress=False)
+    d, h = (dt.load_drafter(str(tmp_path / r / "model"), target=tiny_target) for r in ("dflash", "head"))
+    for (name, a), (_, b) in zip(d.backbone.state_dict().items(), h.backbone.state_dict().items()):
+        assert torch.equal(a, b), name
+    log = [json.loads(l) for l in open(tmp_path / "head" / "log.jsonl")]
+    assert all(r["lambda"] == 0.0 for r in log)                       # no curriculum on a frozen base
+    assert log[-1]["loss_final"] < log[0]["loss_final"]
+    # head_from: the head of one checkpoint on the backbone of another (lr 0: exactly those weights)
+    train(tiny_target, store, TrainConfig(out=str(tmp_path / "mix"), steps=1, head=True, init_from=base,
+                                          head_from=str(tmp_path / "head" / "model"), **{**kw, "lr": 0.0}),
+          progress=False)
+    m = dt.load_drafter(str(tmp_path / "mix" / "model"), target=tiny_target)
+    assert torch.equal(m.head.embed_proj[2].weight, h.head.embed_proj[2].weight)
+    assert torch.equal(m.backbone.fc.weight, d.backbone.fc.weight)
+    with pytest.raises(ValueError, match="needs a Domino run with a head"):
+        train(tiny_target, store, TrainConfig(out=str(tmp_path / "x"), steps=1, freeze_backbone=True, **kw),
+              progress=False)
+    with pytest.raises(ValueError, match="has no head"):
+        train(tiny_target, store, TrainConfig(out=str(tmp_path / "y"), steps=1, head=True, head_from=base, **kw),
+              progress=False)
 
 
 def test_training_resumes(tiny_target, tiny_data, tmp_path):

@@ -50,6 +50,10 @@ class TrainConfig:
     ttt: bool = False             # GRU fed its own drafts instead of the ground truth
     init_from: str | None = None  # start from a trained drafter checkpoint dir (backbone; head too if both have one)
     init_layers: str = "random"   # "target": draft layers start as the target's last layers (train/target_init.py)
+    head_from: str | None = None  # the head's starting weights from this Domino checkpoint (backbone from init_from)
+    # Domino: train the head only, on a fixed backbone (a trained DFlash one): its base logits stay
+    # what a marginal tree scores well, and the head learns the path correction on top of them.
+    freeze_backbone: bool = False
     # "data": the softmax of the loss runs over the tokens that occur in the training data (~10k of
     # SmolLM2's 49k; the LM-head product is most of a step's cost) plus `negatives` other tokens drawn
     # afresh each step, so that the drafter also learns to keep the unseen ones down. "full": all tokens.
@@ -99,17 +103,25 @@ def train(target, store: FeatureStore, tc: TrainConfig, progress: bool = True):
         init_from_target_layers(drafter.backbone, target)
     elif tc.init_layers != "random":
         raise ValueError(f"init_layers must be 'random' or 'target', got {tc.init_layers!r}")
+    head_loaded = bool(tc.head_from)
     if tc.init_from:
         from ..drafters import load_checkpoint
         init = load_checkpoint(Path(tc.init_from))
         drafter.backbone.load_state_dict({k: v.float() for k, v in init.backbone.state_dict().items()})
-        if tc.head and getattr(init, "head", None) is not None:   # a Domino checkpoint: continue its head too
-            try:
-                drafter.head.load_state_dict({k: v.float() for k, v in init.head.state_dict().items()})
-            except RuntimeError as e:
-                raise ValueError(f"the head of {tc.init_from} does not fit this run's head "
-                                 f"(emb_dim {tc.emb_dim}, gru_hidden_dim {tc.gru_hidden_dim}): {e}") from None
-    modules = [drafter.backbone] + ([drafter.head] if tc.head else [])
+        if tc.head and getattr(init, "head", None) is not None and not tc.head_from:
+            load_head(drafter, init, tc.init_from, tc)   # a Domino checkpoint: continue its head too
+            head_loaded = True
+    if tc.head_from:
+        from ..drafters import load_checkpoint
+        src = load_checkpoint(Path(tc.head_from))
+        if not tc.head or getattr(src, "head", None) is None:
+            raise ValueError(f"head_from needs a Domino run and a Domino checkpoint; {tc.head_from} "
+                             f"{'has no head' if tc.head else 'was given to a run without a head'}")
+        load_head(drafter, src, tc.head_from, tc)
+    if tc.freeze_backbone and not tc.head:
+        raise ValueError("freeze_backbone trains the head only: it needs a Domino run with a head")
+    modules = ([] if tc.freeze_backbone else [drafter.backbone]) + ([drafter.head] if tc.head else [])
+    drafter.backbone.float().requires_grad_(not tc.freeze_backbone)
     for m in modules:
         m.float().train()
     params = [p for m in modules for p in m.parameters()]
@@ -121,7 +133,7 @@ def train(target, store: FeatureStore, tc: TrainConfig, progress: bool = True):
     head_w = target.model.get_output_embeddings().weight.detach().to(torch.bfloat16)
     seen, remap = training_vocab(store, cfg.vocab_size, tc.vocab)
     unseen = (remap < 0).nonzero()[:, 0]
-    if tc.head:
+    if tc.head and not head_loaded:
         with torch.no_grad():   # unseen tokens' correction starts at 0, not at random (negatives only push it down)
             drafter.head.embed_proj[2].weight[unseen] = 0
     weights = depth_weights(cfg.num_depths, tc.gamma)
@@ -152,11 +164,13 @@ def train(target, store: FeatureStore, tc: TrainConfig, progress: bool = True):
             batch.soft_ids = torch.where(batch.soft_ids >= 0, remap[batch.soft_ids.clamp_min(0)], batch.soft_ids)
         neg = unseen[torch.randperm(len(unseen), generator=gen)[:tc.negatives]]
         vocab_ids = torch.cat([seen, neg])                        # labels index the `seen` part
-        lam = max(0.0, 1.0 - step / max(1, tc.steps - 1)) if tc.curriculum else 0.0
+        # a frozen backbone gets no gradient from the base term: the head's loss is all there is
+        lam = max(0.0, 1.0 - step / max(1, tc.steps - 1)) if tc.curriculum and not tc.freeze_backbone else 0.0
         for g in opt.param_groups:
             g["lr"] = lr_at(step, tc)
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            hid = block_hidden(drafter.backbone, batch, embed_w, cfg)
+            with torch.set_grad_enabled(not tc.freeze_backbone):
+                hid = block_hidden(drafter.backbone, batch, embed_w, cfg)
             loss, metrics = domino_loss(drafter, hid, batch, embed_w, head_w[vocab_ids], vocab_ids, weights, cfg, lam, tc)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -183,6 +197,14 @@ def train(target, store: FeatureStore, tc: TrainConfig, progress: bool = True):
     save_checkpoint(drafter, out / "model")
     plot_log(log_file, out / "loss.png")
     return drafter
+
+
+def load_head(drafter, src, src_path, tc: TrainConfig) -> None:
+    try:
+        drafter.head.load_state_dict({k: v.float() for k, v in src.head.state_dict().items()})
+    except RuntimeError as e:
+        raise ValueError(f"the head of {src_path} does not fit this run's head "
+                         f"(emb_dim {tc.emb_dim}, gru_hidden_dim {tc.gru_hidden_dim}): {e}") from None
 
 
 def training_vocab(store: FeatureStore, vocab_size: int, mode: str) -> tuple[torch.Tensor, torch.Tensor]:

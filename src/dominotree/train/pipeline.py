@@ -78,6 +78,9 @@ def add_train_parser(sub) -> None:
             r.add_argument("--no-head", action="store_true", help="ablation: backbone only")
             r.add_argument("--ttt", action="store_true", help="ablation: GRU fed its own drafts")
             r.add_argument("--no-curriculum", action="store_true", help="ablation: final-logit loss only")
+            r.add_argument("--freeze-backbone", action="store_true",
+                           help="train the head only, on the --init-from backbone kept fixed (e.g. a trained DFlash drafter)")
+            r.add_argument("--head-from", default=None, help="the head's starting weights from this Domino checkpoint")
             r.add_argument("--emb-dim", type=int, default=RECIPE["emb_dim"])
             r.add_argument("--gru-hidden-dim", type=int, default=RECIPE["gru_hidden_dim"])
 
@@ -135,7 +138,8 @@ def run_train(args, name: str, target=None):
         emb_dim=getattr(args, "emb_dim", RECIPE["emb_dim"]), gru_hidden_dim=getattr(args, "gru_hidden_dim", RECIPE["gru_hidden_dim"]),
         ttt=getattr(args, "ttt", False), curriculum=not getattr(args, "no_curriculum", False),
         vocab=getattr(args, "vocab", "data"), init_layers=getattr(args, "init_layers", RECIPE["init_layers"]),
-        gamma=getattr(args, "gamma", RECIPE["gamma"]), distill=getattr(args, "distill", RECIPE["distill"]))
+        gamma=getattr(args, "gamma", RECIPE["gamma"]), distill=getattr(args, "distill", RECIPE["distill"]),
+        freeze_backbone=getattr(args, "freeze_backbone", False), head_from=getattr(args, "head_from", None))
     train(target, store, tc)
     return Path(tc.out) / "model"
 
