@@ -305,6 +305,8 @@ def test_train_all_runs_every_stage_and_bundles_the_drafters(tiny_llama_dir, tin
         cfg = json.loads((work / run / "train_config.json").read_text())
         assert cfg["gamma"] == overrides["gamma"] and cfg["steps"] == 3
         assert cfg["init_from"] == (str(work / start / "model") if start else None)
+        if "head_from" in overrides:
+            assert cfg["head_from"] == str(work / overrides["head_from"] / "model") and cfg["freeze_backbone"]
     dflash = dt.load_drafter(str(tmp_path / "ckpt" / "smollm2-135m-dflash"), target=tiny_target)
     domino = dt.load_drafter(str(tmp_path / "ckpt" / "smollm2-135m-domino"), target=tiny_target)
     assert not hasattr(dflash, "head") and hasattr(domino, "head")

@@ -21,7 +21,9 @@ RECIPE = dict(layer_ids=[1, 14, 27], num_layers=2, block_size=16, emb_dim=128, g
 # gamma 7 (its correction matters at the deeper depths; gamma 2 measured no better). The last two
 # stages continue both drafters (the bundled ones ran them after `train data` had grown by 60%);
 # the continued Domino run trains the final logits only: restarting the curriculum at lambda 1
-# pulled the backbone away from its trained head (docs/TRAINING.md).
+# pulled the backbone away from its trained head (docs/TRAINING.md). The bundled Domino drafter is
+# the last two stages: the continued head retrained alone on the final DFlash backbone, kept fixed,
+# so its base logits are the DFlash drafter's and the head only adds the path correction.
 STAGES = [
     ("dflash", "dflash", dict(steps=RECIPE["dflash_steps"], gamma=7.0, lr=1e-3), None),
     ("dflash_ft", "dflash", dict(steps=RECIPE["dflash_steps"], gamma=2.0, lr=5e-4), "dflash"),
@@ -30,8 +32,11 @@ STAGES = [
     ("domino_ft", "domino", dict(steps=500, gamma=7.0, lr=5e-4, no_curriculum=True), "domino"),
     ("dflash_ft3", "dflash", dict(steps=1200, gamma=2.0, lr=2e-4), "dflash_ft2"),
     ("domino_ft2", "domino", dict(steps=400, gamma=7.0, lr=2e-4, no_curriculum=True), "domino_ft"),
+    ("domino_head", "domino", dict(steps=1000, gamma=7.0, lr=5e-4, freeze_backbone=True, head_from="domino_ft2"),
+     "dflash_ft3"),
+    ("domino_head2", "domino", dict(steps=1000, gamma=7.0, lr=3e-4, freeze_backbone=True), "domino_head"),
 ]
-BUNDLED = {"dflash_ft3": "smollm2-135m-dflash", "domino_ft2": "smollm2-135m-domino"}
+BUNDLED = {"dflash_ft3": "smollm2-135m-dflash", "domino_head2": "smollm2-135m-domino"}
 
 
 def add_train_parser(sub) -> None:
@@ -161,6 +166,8 @@ def main(args) -> int:
         run_features(args, target)
         models = {}
         for run, trainer, overrides, start in STAGES:
+            if "head_from" in overrides:   # names an earlier stage
+                overrides = {**overrides, "head_from": str(models[overrides["head_from"]])}
             ns = argparse.Namespace(**{**vars(args), **overrides}, out=str(Path(args.workdir) / run),
                                     init_from=str(models[start]) if start else None)
             models[run] = run_train(ns, trainer, target)
