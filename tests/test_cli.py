@@ -70,5 +70,13 @@ def test_train_stages_from_the_cli(tiny_llama_dir, tiny_target, tmp_path, capsys
                  "--anchors-per-seq", "2"]) == 0
     drafter = dt.load_drafter(f"{work}/dflash/model", target=tiny_target)
     assert drafter.config.target_layer_ids == [1, 2] and drafter.config.shift_label
+    # a head alone on that backbone, kept fixed, with its own batch order
+    assert main(["train", "domino", *base, "--steps", "2", "--num-layers", "1", "--seqs-per-step", "2",
+                 "--anchors-per-seq", "2", "--init-from", f"{work}/dflash/model", "--freeze-backbone",
+                 "--seed", "3", "--out", f"{work}/head"]) == 0
+    head = dt.load_drafter(f"{work}/head/model", target=tiny_target)
+    assert hasattr(head, "head") and torch.equal(head.backbone.fc.weight, drafter.backbone.fc.weight)
+    cfg = json.loads(open(f"{work}/head/train_config.json").read())
+    assert cfg["seed"] == 3 and cfg["freeze_backbone"]
     code, _, err = run_cli(capsys, "train", "dflash", *base[:2], "--workdir", str(tmp_path / "empty"))
     assert code == 2 and "features" in err

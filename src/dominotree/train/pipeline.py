@@ -70,6 +70,7 @@ def add_train_parser(sub) -> None:
         r.add_argument("--lr", type=float, default=1e-3)
         r.add_argument("--seqs-per-step", type=int, default=RECIPE["seqs_per_step"])
         r.add_argument("--anchors-per-seq", type=int, default=RECIPE["anchors_per_seq"])
+        r.add_argument("--seed", type=int, default=0, help="batch order and initialisation (a new seed: new batches)")
         r.add_argument("--init-from", default=None, help="start from this drafter checkpoint dir (its backbone; its head too for a domino run)")
         r.add_argument("--num-layers", type=int, default=RECIPE["num_layers"])
         r.add_argument("--init-layers", choices=["random", "target"], default=RECIPE["init_layers"],
@@ -144,7 +145,8 @@ def run_train(args, name: str, target=None):
         ttt=getattr(args, "ttt", False), curriculum=not getattr(args, "no_curriculum", False),
         vocab=getattr(args, "vocab", "data"), init_layers=getattr(args, "init_layers", RECIPE["init_layers"]),
         gamma=getattr(args, "gamma", RECIPE["gamma"]), distill=getattr(args, "distill", RECIPE["distill"]),
-        freeze_backbone=getattr(args, "freeze_backbone", False), head_from=getattr(args, "head_from", None))
+        freeze_backbone=getattr(args, "freeze_backbone", False), head_from=getattr(args, "head_from", None),
+        seed=getattr(args, "seed", 0))
     train(target, store, tc)
     return Path(tc.out) / "model"
 
