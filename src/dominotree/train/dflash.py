@@ -93,6 +93,8 @@ def lr_at(step: int, tc: TrainConfig) -> float:
 
 def train(target, store: FeatureStore, tc: TrainConfig, progress: bool = True):
     from .domino import domino_loss
+    if tc.freeze_backbone and not tc.head:
+        raise ValueError("freeze_backbone trains the head only: it needs a Domino run with a head")
     out = Path(tc.out)
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(tc.seed)
@@ -103,23 +105,7 @@ def train(target, store: FeatureStore, tc: TrainConfig, progress: bool = True):
         init_from_target_layers(drafter.backbone, target)
     elif tc.init_layers != "random":
         raise ValueError(f"init_layers must be 'random' or 'target', got {tc.init_layers!r}")
-    head_loaded = bool(tc.head_from)
-    if tc.init_from:
-        from ..drafters import load_checkpoint
-        init = load_checkpoint(Path(tc.init_from))
-        drafter.backbone.load_state_dict({k: v.float() for k, v in init.backbone.state_dict().items()})
-        if tc.head and getattr(init, "head", None) is not None and not tc.head_from:
-            load_head(drafter, init, tc.init_from, tc)   # a Domino checkpoint: continue its head too
-            head_loaded = True
-    if tc.head_from:
-        from ..drafters import load_checkpoint
-        src = load_checkpoint(Path(tc.head_from))
-        if not tc.head or getattr(src, "head", None) is None:
-            raise ValueError(f"head_from needs a Domino run and a Domino checkpoint; {tc.head_from} "
-                             f"{'has no head' if tc.head else 'was given to a run without a head'}")
-        load_head(drafter, src, tc.head_from, tc)
-    if tc.freeze_backbone and not tc.head:
-        raise ValueError("freeze_backbone trains the head only: it needs a Domino run with a head")
+    head_loaded = init_weights(drafter, tc)
     modules = ([] if tc.freeze_backbone else [drafter.backbone]) + ([drafter.head] if tc.head else [])
     drafter.backbone.float().requires_grad_(not tc.freeze_backbone)
     for m in modules:
@@ -197,6 +183,27 @@ def train(target, store: FeatureStore, tc: TrainConfig, progress: bool = True):
     save_checkpoint(drafter, out / "model")
     plot_log(log_file, out / "loss.png")
     return drafter
+
+
+def init_weights(drafter, tc: TrainConfig) -> bool:
+    """Start from trained checkpoints: init_from's backbone (and, for a Domino run, its head), or
+    head_from's head. Returns whether the head was loaded."""
+    from ..drafters import load_checkpoint
+    loaded = False
+    if tc.init_from:
+        init = load_checkpoint(Path(tc.init_from))
+        drafter.backbone.load_state_dict({k: v.float() for k, v in init.backbone.state_dict().items()})
+        if tc.head and not tc.head_from and getattr(init, "head", None) is not None:
+            load_head(drafter, init, tc.init_from, tc)   # a Domino checkpoint: continue its head too
+            loaded = True
+    if tc.head_from:
+        src = load_checkpoint(Path(tc.head_from))
+        if not tc.head or getattr(src, "head", None) is None:
+            raise ValueError(f"head_from needs a Domino run and a Domino checkpoint; {tc.head_from} "
+                             f"{'has no head' if tc.head else 'was given to a run without a head'}")
+        load_head(drafter, src, tc.head_from, tc)
+        loaded = True
+    return loaded
 
 
 def load_head(drafter, src, src_path, tc: TrainConfig) -> None:
