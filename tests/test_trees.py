@@ -49,6 +49,21 @@ def test_ddtree_is_the_top_budget_prefixes(seed):
         assert int(tree.tokens[0]) == 99
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_ddtree_on_a_real_sized_vocabulary(seed):
+    """V = 8192 takes the blocked top-k; the top-budget prefixes only use each depth's top-budget
+    tokens, so brute force over those is exact."""
+    g = torch.Generator().manual_seed(seed)
+    D, V, budget = 3, 8192, 6
+    lp = torch.log_softmax(torch.randn(D, V, generator=g) * 3, -1)
+    tops = [torch.topk(lp[d], budget).indices.tolist() for d in range(D)]
+    every = [seq for d in range(1, D + 1) for seq in itertools.product(*tops[:d])]
+    score = {s: sum(float(lp[i, t]) for i, t in enumerate(s)) for s in every}
+    tree = build_ddtree(lp, budget)
+    assert paths(tree) == set(sorted(every, key=lambda s: -score[s])[:budget])
+    check_structure(tree)
+
+
 def test_ddtree_ties_are_deterministic():
     lp = torch.log_softmax(torch.zeros(3, 4), -1)     # everything ties
     a, b = build_ddtree(lp, 10), build_ddtree(lp, 10)
@@ -139,7 +154,7 @@ def test_correction_changes_the_tree():
 def test_fast_builder_equals_reference(seed):
     g = torch.Generator().manual_seed(10_000 + seed)
     pick = lambda xs: xs[int(torch.randint(len(xs), (1,), generator=g))]
-    V, D = pick([30, 64, 200]), pick([1, 3, 8, 16])
+    V, D = pick([30, 64, 200, 4096]), pick([1, 3, 8, 16])   # 4096: the blocked top-k
     head, base, hidden, embed = random_problem(seed, V=V, D=D, scale=pick([0.5, 2.0, 5.0]))
     kw = dict(budget=pick([1, 4, 16, 32, 64]), node_topk=pick([1, 2, 4, 8]), corr_topm=pick([None, 8, 16, 64]),
               normalization=pick(["topm", "exact"]), prefix_len=pick([0, 1, 2]),

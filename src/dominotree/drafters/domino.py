@@ -13,6 +13,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..trees.topk import topk_rows
 from .dflash import DFlashBackbone, DFlashDrafter, DraftOutput, DrafterConfig
 
 
@@ -155,7 +156,7 @@ class DominoDrafter(DFlashDrafter):
         head, bound = self.float_head(), self.w2_bound()
         w2, hidden = bound.w2, draft.hidden[:depth].float()
         base_all = draft.base_logits[:depth].float()
-        cand_all = torch.topk(base_all, min(topm, base_all.shape[-1]), dim=-1).indices
+        cand_all = topk_rows(base_all, topm)[1]
         state = self.root_state(root, target)
         tokens, logps = [], []
         for d in range(1, depth + 1):

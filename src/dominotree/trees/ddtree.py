@@ -11,6 +11,7 @@ from typing import Callable, Iterator
 
 import torch
 
+from .topk import topk_rows
 from .tree import DraftTree
 
 
@@ -22,7 +23,7 @@ def ddtree_pops(logprobs: torch.Tensor, max_nodes: int) -> Iterator[tuple[int, i
     if depth_limit == 0 or max_nodes <= 0:
         return
     k = min(max_nodes, vocab)
-    top_lp, top_ids = torch.topk(logprobs.float(), k, dim=-1)
+    top_lp, top_ids = topk_rows(logprobs.float(), k)
     lp, ids = top_lp.tolist(), top_ids.tolist()
     heap = [(-lp[0][0], (0,), 0, 1, 0, lp[0][0])]   # (-score, rank path, parent, depth, rank, score)
     count = 0

@@ -16,6 +16,7 @@ from typing import Callable
 
 import torch
 
+from .topk import topk_rows
 from .tree import DraftTree
 
 
@@ -29,7 +30,7 @@ def depth_candidates(base_logits: torch.Tensor, corr_topm: int | None) -> torch.
     """Top-M base-logit candidates per depth [D, M] (None: the whole vocabulary)."""
     if corr_topm is None or corr_topm >= base_logits.shape[-1]:
         return None
-    return torch.topk(base_logits, corr_topm, dim=-1).indices
+    return topk_rows(base_logits, corr_topm)[1]
 
 
 def greedy_chain_states(base_logits, hidden, head, emb, root_state, prefix_len, cands):
@@ -69,9 +70,8 @@ def build_dominotree(base_logits: torch.Tensor, hidden: torch.Tensor, head, embe
         """(tokens, log-probs) of the node_topk best children at depth d for a parent state."""
         base = base_logits[d - 1]
         if d <= prefix_len:
-            lp = torch.log_softmax(base, -1)
-            top = torch.topk(lp, min(node_topk, lp.numel()))
-            return top.indices.tolist(), top.values.tolist()
+            values, ids = topk_rows(torch.log_softmax(base, -1), node_topk)
+            return ids.tolist(), values.tolist()
         if fixed is not None:
             state = fixed[d - 1]
         if cands is None:

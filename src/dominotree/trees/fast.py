@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from ..drafters.domino import gru_cell
 from .dominotree import _embedder, depth_candidates, greedy_chain_states
+from .topk import topk_rows
 from .tree import DraftTree
 
 
@@ -53,8 +54,8 @@ def build_dominotree_fast(base_logits: torch.Tensor, hidden: torch.Tensor, head,
         w2_c = W.w2[cands[:D]]                                # [D, M, r]
     prefix_kids = {}
     for d in range(1, min(prefix_len, D) + 1):
-        top = torch.topk(torch.log_softmax(base_logits[d - 1], -1), min(node_topk, base_logits.shape[-1]))
-        prefix_kids[d] = (top.indices.tolist(), top.values.tolist())
+        values, ids = topk_rows(torch.log_softmax(base_logits[d - 1], -1), node_topk)
+        prefix_kids[d] = (ids.tolist(), values.tolist())
     root_state = W.gru(torch.zeros(1, W.w_hh.shape[1]), emb(torch.tensor([root_token])))
     fixed = None
     if conditioning == "greedy":
