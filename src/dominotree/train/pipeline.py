@@ -22,8 +22,10 @@ RECIPE = dict(layer_ids=[1, 14, 27], num_layers=2, block_size=16, emb_dim=128, g
 # stages continue both drafters (the bundled ones ran them after `train data` had grown by 60%);
 # the continued Domino run trains the final logits only: restarting the curriculum at lambda 1
 # pulled the backbone away from its trained head (docs/TRAINING.md). The bundled Domino drafter is
-# the last two stages: the continued head retrained alone on the final DFlash backbone, kept fixed,
-# so its base logits are the DFlash drafter's and the head only adds the path correction.
+# the continued head retrained alone on a DFlash backbone kept fixed, so its base logits are the
+# DFlash drafter's and the head only adds the path correction. The last two stages ran once `train
+# data` had written all 12,000 prompts: the DFlash backbone continued (new batch order), then the
+# bundled head retrained alone on it.
 STAGES = [
     ("dflash", "dflash", dict(steps=RECIPE["dflash_steps"], gamma=7.0, lr=1e-3), None),
     ("dflash_ft", "dflash", dict(steps=RECIPE["dflash_steps"], gamma=2.0, lr=5e-4), "dflash"),
@@ -35,8 +37,11 @@ STAGES = [
     ("domino_head", "domino", dict(steps=1000, gamma=7.0, lr=5e-4, freeze_backbone=True, head_from="domino_ft2"),
      "dflash_ft3"),
     ("domino_head2", "domino", dict(steps=1000, gamma=7.0, lr=3e-4, freeze_backbone=True), "domino_head"),
+    ("dflash_ft4", "dflash", dict(steps=2000, gamma=2.0, lr=2e-4, seed=1), "dflash_ft3"),
+    ("domino_head3", "domino", dict(steps=1000, gamma=7.0, lr=5e-4, freeze_backbone=True, head_from="domino_head2"),
+     "dflash_ft4"),
 ]
-BUNDLED = {"dflash_ft3": "smollm2-135m-dflash", "domino_head2": "smollm2-135m-domino"}
+BUNDLED = {"dflash_ft4": "smollm2-135m-dflash", "domino_head3": "smollm2-135m-domino"}
 
 
 def add_train_parser(sub) -> None:
