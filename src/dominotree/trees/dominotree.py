@@ -33,6 +33,12 @@ def depth_candidates(base_logits: torch.Tensor, corr_topm: int | None) -> torch.
     return topk_rows(base_logits, corr_topm)[1]
 
 
+def marginal_children(base_row: torch.Tensor, node_topk: int) -> tuple[list[int], list[float]]:
+    """(tokens, log-probs) of the node_topk best children from base logits alone (prefix depths)."""
+    values, ids = topk_rows(torch.log_softmax(base_row, -1), node_topk)
+    return ids.tolist(), values.tolist()
+
+
 def greedy_chain_states(base_logits, hidden, head, emb, root_state, prefix_len, cands):
     """States along the greedy corrected chain: the "correction once per depth" ladder rung."""
     states, state = [], root_state
@@ -70,8 +76,7 @@ def build_dominotree(base_logits: torch.Tensor, hidden: torch.Tensor, head, embe
         """(tokens, log-probs) of the node_topk best children at depth d for a parent state."""
         base = base_logits[d - 1]
         if d <= prefix_len:
-            values, ids = topk_rows(torch.log_softmax(base, -1), node_topk)
-            return ids.tolist(), values.tolist()
+            return marginal_children(base, node_topk)
         if fixed is not None:
             state = fixed[d - 1]
         if cands is None:

@@ -16,8 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from ..drafters.domino import gru_cell
-from .dominotree import _embedder, depth_candidates, greedy_chain_states
-from .topk import topk_rows
+from .dominotree import _embedder, depth_candidates, greedy_chain_states, marginal_children
 from .tree import DraftTree
 
 
@@ -52,10 +51,7 @@ def build_dominotree_fast(base_logits: torch.Tensor, hidden: torch.Tensor, head,
     if cands is not None:
         base_c = torch.gather(base_logits, 1, cands)[:D]
         w2_c = W.w2[cands[:D]]                                # [D, M, r]
-    prefix_kids = {}
-    for d in range(1, min(prefix_len, D) + 1):
-        values, ids = topk_rows(torch.log_softmax(base_logits[d - 1], -1), node_topk)
-        prefix_kids[d] = (ids.tolist(), values.tolist())
+    prefix_kids = {d: marginal_children(base_logits[d - 1], node_topk) for d in range(1, min(prefix_len, D) + 1)}
     root_state = W.gru(torch.zeros(1, W.w_hh.shape[1]), emb(torch.tensor([root_token])))
     fixed = None
     if conditioning == "greedy":
