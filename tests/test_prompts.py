@@ -20,8 +20,15 @@ def test_training_and_benchmark_prompts_are_disjoint():
     keys = [_norm(r["passage"] + " " + r["question"]) for r in asdiv()[:ASDIV_BENCH]]
     joined = "\n".join(train_texts)
     assert not any(k in joined for k in keys)
-    for p in load_dataset("mt-bench"):
+    for p in load_dataset("mt-bench") + load_dataset("aime"):
         assert _norm(p.text)[:80] not in joined
+
+
+def test_aime_prompts_carry_the_problem_and_the_answer_format():
+    rows = load_dataset("aime")
+    assert len(rows) == 15 and len({p.question_id for p in rows}) == 15
+    assert rows[0].text.startswith("Find the sum of all positive two-digit integers")
+    assert all("integers ranging from 000 to 999" in p.text for p in rows)
 
 
 def test_training_prompts_follow_the_mix():

@@ -5,7 +5,8 @@ from dataclasses import dataclass
 
 from ..offline_data import ASDIV_BENCH, asdiv, package_dir, read_jsonl
 
-DATASETS = ("mt-bench", "humaneval", "gsm")
+DATASETS = ("mt-bench", "humaneval", "gsm", "aime")
+DEFAULT_DATASETS = ("mt-bench", "humaneval", "gsm")    # AIME's 14 problems are opt-in: long, hard maths
 
 
 @dataclass(frozen=True)
@@ -33,12 +34,24 @@ def gsm() -> list[Prompt]:
     return [Prompt("gsm", f"asdiv-{i}", "math", format_math(r)) for i, r in enumerate(asdiv()[:ASDIV_BENCH])]
 
 
+def aime() -> list[Prompt]:
+    """The 14 AIME problems of OpenAI's `evals` registry (integer answers 000-999)."""
+    root = package_dir("evals", "evals==3.0.1.post1")
+    rows = read_jsonl(root / "registry/data/aime_evaluation/samples.jsonl")
+    prompts = []
+    for i, r in enumerate(rows):
+        turns = {m["role"]: m["content"] for m in r["input"]}
+        text = turns["user"].strip() + "\n\n" + turns.get("system", "").strip()   # the answer format as an instruction
+        prompts.append(Prompt("aime", f"aime-{i}", "math", text.strip()))
+    return prompts
+
+
 def format_math(row: dict) -> str:
     return f"{row['passage']} {row['question']} Think step by step, then give the final answer."
 
 
 def load_dataset(name: str) -> list[Prompt]:
-    loaders = {"mt-bench": mt_bench, "humaneval": humaneval, "gsm": gsm}
+    loaders = {"mt-bench": mt_bench, "humaneval": humaneval, "gsm": gsm, "aime": aime}
     if name not in loaders:
         raise ValueError(f"unknown dataset {name!r}; choose from {', '.join(loaders)}")
     return loaders[name]()

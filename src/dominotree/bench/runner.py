@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from .datasets import DATASETS, Prompt, load_dataset
+from .datasets import DATASETS, DEFAULT_DATASETS, Prompt, load_dataset
 from .methods import ALL_METHODS, PRESETS, expand_methods, run_hf_peer
 from .metrics import BASELINE
 from .report import RESULTS, RUN_INFO, problems, write_reports
@@ -23,7 +23,8 @@ DEFAULT_DRAFTERS = {"dflash": "smollm2-135m-dflash", "domino": "smollm2-135m-dom
 def add_bench_parser(sub) -> None:
     b = sub.add_parser("bench", help="benchmark methods side by side (paired speedups, tau, plots)",
                        description=__doc__.splitlines()[0])
-    b.add_argument("--datasets", default=",".join(DATASETS), help=f"comma list from {', '.join(DATASETS)}")
+    b.add_argument("--datasets", default=",".join(DEFAULT_DATASETS),
+                   help=f"comma list from {', '.join(DATASETS)} (default: {','.join(DEFAULT_DATASETS)})")
     b.add_argument("--methods", default=None,
                    help=f"comma list of method specs name[:key=value,...] (names: {', '.join(ALL_METHODS)}); "
                         "e.g. dominotree:budget=32,corr_topm=16 or ddtree:drafter=domino. Default: all "
