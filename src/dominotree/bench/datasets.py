@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from ..offline_data import ASDIV_BENCH, asdiv, package_dir, read_jsonl
 
 DATASETS = ("mt-bench", "humaneval", "gsm", "aime")
-DEFAULT_DATASETS = ("mt-bench", "humaneval", "gsm")    # AIME's 14 problems are opt-in: long, hard maths
+DEFAULT_DATASETS = ("mt-bench", "humaneval", "gsm")    # AIME (15 problems) is opt-in: long, hard maths
 
 
 @dataclass(frozen=True)
@@ -35,7 +35,7 @@ def gsm() -> list[Prompt]:
 
 
 def aime() -> list[Prompt]:
-    """The 14 AIME problems of OpenAI's `evals` registry (integer answers 000-999)."""
+    """The 15 AIME problems of OpenAI's `evals` registry (integer answers 000-999)."""
     root = package_dir("evals", "evals==3.0.1.post1")
     rows = read_jsonl(root / "registry/data/aime_evaluation/samples.jsonl")
     prompts = []
