@@ -5,8 +5,6 @@ from dataclasses import dataclass
 
 from ..offline_data import ASDIV_BENCH, asdiv, package_dir, read_jsonl
 
-DATASETS = ("mt-bench", "humaneval", "gsm", "aime")
-DEFAULT_DATASETS = ("mt-bench", "humaneval", "gsm")    # AIME (15 problems) is opt-in: long, hard maths
 
 
 @dataclass(frozen=True)
@@ -38,20 +36,25 @@ def aime() -> list[Prompt]:
     """The 15 AIME problems of OpenAI's `evals` registry (integer answers 000-999)."""
     root = package_dir("evals", "evals==3.0.1.post1")
     rows = read_jsonl(root / "registry/data/aime_evaluation/samples.jsonl")
-    prompts = []
-    for i, r in enumerate(rows):
-        turns = {m["role"]: m["content"] for m in r["input"]}
-        text = turns["user"].strip() + "\n\n" + turns.get("system", "").strip()   # the answer format as an instruction
-        prompts.append(Prompt("aime", f"aime-{i}", "math", text.strip()))
-    return prompts
+    return [Prompt("aime", f"aime-{i}", "math", _aime_text(r)) for i, r in enumerate(rows)]
+
+
+def _aime_text(row: dict) -> str:
+    """The problem, then the system turn's answer format as an instruction."""
+    turns = {m["role"]: m["content"].strip() for m in row["input"]}
+    return (turns["user"] + "\n\n" + turns.get("system", "")).strip()
 
 
 def format_math(row: dict) -> str:
     return f"{row['passage']} {row['question']} Think step by step, then give the final answer."
 
 
+LOADERS = {"mt-bench": mt_bench, "humaneval": humaneval, "gsm": gsm, "aime": aime}
+DATASETS = tuple(LOADERS)
+DEFAULT_DATASETS = ("mt-bench", "humaneval", "gsm")    # AIME (15 problems) is opt-in: long, hard maths
+
+
 def load_dataset(name: str) -> list[Prompt]:
-    loaders = {"mt-bench": mt_bench, "humaneval": humaneval, "gsm": gsm, "aime": aime}
-    if name not in loaders:
-        raise ValueError(f"unknown dataset {name!r}; choose from {', '.join(loaders)}")
-    return loaders[name]()
+    if name not in LOADERS:
+        raise ValueError(f"unknown dataset {name!r}; choose from {', '.join(DATASETS)}")
+    return LOADERS[name]()
