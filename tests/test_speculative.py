@@ -86,6 +86,18 @@ def test_stats_are_consistent(tiny_target):
     assert set(s["stage_ms"]) == {"draft", "build", "verify", "commit"}
 
 
+def test_rounds_run_in_inference_mode_and_the_caller_does_not(tiny_target):
+    import torch
+    stream = dt.stream_generate(tiny_target, random_drafter(True), [1, 11, 12, 13], method="dominotree",
+                                max_new_tokens=24)
+    inner, inside = stream.proposer, []
+    stream.proposer = lambda *a: inside.append(torch.is_inference_mode_enabled()) or inner(*a)
+    between = [torch.is_inference_mode_enabled() for _ in stream]
+    assert inside and all(inside)
+    assert between and not any(between)
+    assert not torch.is_inference_mode_enabled()
+
+
 def test_dflash_drafter_cannot_run_domino_methods(tiny_target):
     with pytest.raises(ValueError, match="Domino drafter"):
         run(tiny_target, random_drafter(False), [1, 5], "dominotree")
