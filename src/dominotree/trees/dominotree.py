@@ -33,8 +33,15 @@ def depth_candidates(base_logits: torch.Tensor, corr_topm: int | None) -> torch.
     return topk_rows(base_logits, corr_topm)[1]
 
 
-def marginal_children(base_row: torch.Tensor, node_topk: int) -> tuple[list[int], list[float]]:
-    """(tokens, log-probs) of the node_topk best children from base logits alone (prefix depths)."""
+def marginal_children(base_row: torch.Tensor, node_topk: int,
+                      cands_row: torch.Tensor | None = None) -> tuple[list[int], list[float]]:
+    """(tokens, log-probs) of the node_topk best children from base logits alone (prefix depths).
+
+    `cands_row`, the row's top-M ids in descending order (M >= node_topk), saves a second pass
+    over the vocabulary: the best children are its first node_topk."""
+    if cands_row is not None and len(cands_row) >= node_topk:
+        ids = cands_row[:node_topk]
+        return ids.tolist(), (base_row[ids] - torch.logsumexp(base_row, -1)).tolist()
     values, ids = topk_rows(torch.log_softmax(base_row, -1), node_topk)
     return ids.tolist(), values.tolist()
 
@@ -76,7 +83,7 @@ def build_dominotree(base_logits: torch.Tensor, hidden: torch.Tensor, head, embe
         """(tokens, log-probs) of the node_topk best children at depth d for a parent state."""
         base = base_logits[d - 1]
         if d <= prefix_len:
-            return marginal_children(base, node_topk)
+            return marginal_children(base, node_topk, None if cands is None else cands[d - 1])
         if fixed is not None:
             state = fixed[d - 1]
         if cands is None:

@@ -49,9 +49,11 @@ def build_dominotree_fast(base_logits: torch.Tensor, hidden: torch.Tensor, head,
     # Hoisted per round: W1_h H_d, candidate base logits and W2 rows, prefix-depth children.
     zh = F.linear(hidden[:D], W.w1_h) if D else None
     if cands is not None:
+        M = cands.shape[1]
         base_c = torch.gather(base_logits, 1, cands)[:D]
-        w2_c = W.w2[cands[:D]]                                # [D, M, r]
-    prefix_kids = {d: marginal_children(base_logits[d - 1], node_topk) for d in range(1, min(prefix_len, D) + 1)}
+        w2_c = W.w2[cands[:D].reshape(-1)]                    # [D * M, r]: every depth's candidate rows
+    prefix_kids = {d: marginal_children(base_logits[d - 1], node_topk, None if cands is None else cands[d - 1])
+                   for d in range(1, min(prefix_len, D) + 1)}
     root_state = W.gru(torch.zeros(1, W.w_hh.shape[1]), emb(torch.tensor([root_token])))
     fixed = None
     if conditioning == "greedy":
@@ -74,7 +76,10 @@ def build_dominotree_fast(base_logits: torch.Tensor, hidden: torch.Tensor, head,
             top = torch.topk(lp, k, dim=-1)
             ids, vals = top.indices, top.values
         else:
-            corrected = base_c[di] + torch.einsum("nr,nmr->nm", z, w2_c[di])
+            # One product against all depths' candidates, then each row's own depth: cheaper
+            # here than gathering [n, M, r] W2 rows per expansion.
+            every = F.linear(z, w2_c).view(len(rows), D, M)
+            corrected = base_c[di] + every[torch.arange(len(rows)), di]
             if normalization == "topm":
                 lp = torch.log_softmax(corrected, -1)
             else:
