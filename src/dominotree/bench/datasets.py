@@ -6,7 +6,6 @@ from dataclasses import dataclass
 from ..offline_data import ASDIV_BENCH, asdiv, package_dir, read_jsonl
 
 
-
 @dataclass(frozen=True)
 class Prompt:
     dataset: str
