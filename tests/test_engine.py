@@ -37,12 +37,14 @@ def test_ar_stops_at_eos_and_reports_it(tiny_target):
 
 
 def test_sampling_is_seeded_and_private(tiny_target):
-    a = dt.generate(tiny_target, None, [1, 7, 8], method="ar", temperature=1.0, seed=3, max_new_tokens=20)
+    # T = 5: the tiny target is so peaked (top token ~0.99999) that at T = 1 most seeds agree
+    a = dt.generate(tiny_target, None, [1, 7, 8], method="ar", temperature=5.0, seed=3, max_new_tokens=20)
     torch.manual_seed(123)   # the global RNG must not matter
-    b = dt.generate(tiny_target, None, [1, 7, 8], method="ar", temperature=1.0, seed=3, max_new_tokens=20)
-    c = dt.generate(tiny_target, None, [1, 7, 8], method="ar", temperature=1.0, seed=4, max_new_tokens=20)
+    b = dt.generate(tiny_target, None, [1, 7, 8], method="ar", temperature=5.0, seed=3, max_new_tokens=20)
+    others = [dt.generate(tiny_target, None, [1, 7, 8], method="ar", temperature=5.0, seed=s,
+                          max_new_tokens=20).token_ids for s in range(4, 9)]
     assert a.token_ids == b.token_ids
-    assert a.token_ids != c.token_ids
+    assert all(o != a.token_ids for o in others)
 
 
 def test_stop_strings_cut_the_text(tiny_target):

@@ -9,7 +9,7 @@ import dominotree as dt
 import dominotree.engine as engine
 from conftest import random_drafter
 from dominotree import DraftTree
-from dominotree.verify import accept, process_logits
+from dominotree.verify import accept, draw, process_logits
 from helpers import MirrorDrafter, ScriptedDrafter, reference_sequence, run_mirror
 
 PROMPT = [1, 11, 12, 13]
@@ -27,6 +27,22 @@ def test_process_logits_matches_transformers_warpers():
         if p < 1:
             x = TopPLogitsWarper(p)(None, x)
         assert torch.allclose(process_logits(logits, t, k, p), x.softmax(-1), atol=1e-6)
+
+
+def test_draw_follows_the_probabilities():
+    g = torch.Generator().manual_seed(0)
+    probs = torch.tensor([0.0, 0.5, 0.0, 0.2, 0.3, 0.0])    # zeros at the ends and between
+    n = 20_000
+    counts = Counter(draw(probs, g) for _ in range(n))
+    assert set(counts) == {1, 3, 4}                         # zero-probability entries never drawn
+    chi2 = sum((counts[i] - n * float(probs[i])) ** 2 / (n * float(probs[i])) for i in (1, 3, 4))
+    assert chi2 < 13.8                                      # chi-square, 2 dof, p = 0.001
+    skewed = Counter(draw(torch.tensor([0.0, 0.45, 0.0, 0.25, 0.3, 0.0]), g) for _ in range(n))
+    chi2_bad = sum((skewed[i] - n * float(probs[i])) ** 2 / (n * float(probs[i])) for i in (1, 3, 4))
+    assert chi2_bad > 13.8                                  # the statistic sees a 5-point shift
+    assert draw(torch.tensor([0.0, 0.0, 1.0]), g) == 2
+    a = [draw(probs, torch.Generator().manual_seed(5)) for _ in range(3)]
+    assert a == [draw(probs, torch.Generator().manual_seed(5)) for _ in range(3)]   # seeded
 
 
 def test_greedy_walk_follows_target_argmax():
