@@ -9,7 +9,7 @@ import dominotree as dt
 import dominotree.engine as engine
 from conftest import random_drafter
 from dominotree import DraftTree
-from dominotree.verify import accept, draw, process_logits
+from dominotree.verify import accept, draw, draw_rows, process_logits
 from helpers import MirrorDrafter, ScriptedDrafter, reference_sequence, run_mirror
 
 PROMPT = [1, 11, 12, 13]
@@ -43,6 +43,16 @@ def test_draw_follows_the_probabilities():
     assert draw(torch.tensor([0.0, 0.0, 1.0]), g) == 2
     a = [draw(probs, torch.Generator().manual_seed(5)) for _ in range(3)]
     assert a == [draw(probs, torch.Generator().manual_seed(5)) for _ in range(3)]   # seeded
+
+
+def test_draw_rows_draws_each_row_from_its_own_distribution():
+    g = torch.Generator().manual_seed(1)
+    probs = torch.tensor([[0.7, 0.3, 0.0], [0.0, 0.1, 0.9]])
+    n = 10_000
+    draws = torch.stack([draw_rows(probs, g) for _ in range(n)])      # [n, 2]
+    assert draws[:, 0].max() <= 1 and draws[:, 1].min() >= 1
+    assert abs(float((draws[:, 0] == 0).float().mean()) - 0.7) < 0.02
+    assert abs(float((draws[:, 1] == 2).float().mean()) - 0.9) < 0.015
 
 
 def test_greedy_walk_follows_target_argmax():

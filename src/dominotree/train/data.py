@@ -14,6 +14,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from ..verify import draw_rows
 from .prompts import training_prompts
 
 
@@ -110,7 +111,7 @@ def _generate_batch(target, batch, pad, max_new_tokens, sampled, temperature, ge
     for step in range(max_new_tokens):
         if sampled:
             probs = torch.softmax(logits.float() / temperature, -1)
-            nxt = torch.multinomial(probs, 1, generator=gen).flatten()
+            nxt = draw_rows(probs, gen)   # ~3x faster than torch.multinomial for a batch
         else:
             nxt = logits.argmax(-1)
         keep = []
