@@ -1,5 +1,6 @@
 """Speculative methods are lossless at T = 0: chains and trees equal plain greedy decoding."""
 import pytest
+import torch
 
 import dominotree as dt
 from conftest import random_drafter
@@ -87,7 +88,6 @@ def test_stats_are_consistent(tiny_target):
 
 
 def test_rounds_run_in_inference_mode_and_the_caller_does_not(tiny_target):
-    import torch
     stream = dt.stream_generate(tiny_target, random_drafter(True), [1, 11, 12, 13], method="dominotree",
                                 max_new_tokens=24)
     inner, inside = stream.proposer, []

@@ -41,8 +41,8 @@ def test_draw_follows_the_probabilities():
     chi2_bad = sum((skewed[i] - n * float(probs[i])) ** 2 / (n * float(probs[i])) for i in (1, 3, 4))
     assert chi2_bad > 13.8                                  # the statistic sees a 5-point shift
     assert draw(torch.tensor([0.0, 0.0, 1.0]), g) == 2
-    a = [draw(probs, torch.Generator().manual_seed(5)) for _ in range(3)]
-    assert a == [draw(probs, torch.Generator().manual_seed(5)) for _ in range(3)]   # seeded
+    ga, gb = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
+    assert [draw(probs, ga) for _ in range(20)] == [draw(probs, gb) for _ in range(20)]   # seeded
 
 
 def test_draw_rows_draws_each_row_from_its_own_distribution():
