@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from ..verify import draw_rows
+from ..verify import draw_rows, process_logits
 from .prompts import training_prompts
 
 
@@ -110,8 +110,7 @@ def _generate_batch(target, batch, pad, max_new_tokens, sampled, temperature, ge
     next_pos = pos[:, -1] + 1
     for step in range(max_new_tokens):
         if sampled:
-            probs = torch.softmax(logits.float() / temperature, -1)
-            nxt = draw_rows(probs, gen)   # ~3x faster than torch.multinomial for a batch
+            nxt = draw_rows(process_logits(logits, temperature), gen)   # ~3x faster than torch.multinomial
         else:
             nxt = logits.argmax(-1)
         keep = []
