@@ -310,3 +310,68 @@ def test_train_all_runs_every_stage_and_bundles_the_drafters(tiny_llama_dir, tin
     dflash = dt.load_drafter(str(tmp_path / "ckpt" / "smollm2-135m-dflash"), target=tiny_target)
     domino = dt.load_drafter(str(tmp_path / "ckpt" / "smollm2-135m-domino"), target=tiny_target)
     assert not hasattr(dflash, "head") and hasattr(domino, "head")
+
+
+def test_a_grown_drafter_starts_as_the_one_it_grows_from(tiny_target, tiny_data, tmp_path):
+    """More layers and more taps (train/grow.py): at lr 0 the grown drafter drafts what the small one does."""
+    _, store = tiny_data
+    kw = dict(seqs_per_step=4, anchors_per_seq=6, block_size=6, intermediate_size=64, num_heads=4, num_kv_heads=2,
+              mask_token_id=3, shift_label=True, save_every=40, log_every=10, lr=3e-3)
+    train(tiny_target, store, TrainConfig(out=str(tmp_path / "small"), steps=30, num_layers=1, layer_ids=[2], **kw),
+          progress=False)
+    small = str(tmp_path / "small" / "model")
+    train(tiny_target, store, TrainConfig(out=str(tmp_path / "big"), steps=1, num_layers=2, init_from=small,
+                                          **{**kw, "lr": 0.0}), progress=False)
+    a, b = (dt.load_drafter(str(tmp_path / r / "model"), target=tiny_target, dtype=torch.float32) for r in ("small", "big"))
+    assert a.target_layer_ids == [2] and b.target_layer_ids == [1, 2] and len(b.backbone.layers) == 2
+    toks, _, plen = store.sequence(3)
+    for d in (a, b):
+        tiny_target.set_taps(d.target_layer_ids)
+        d.reset()
+        d.add_context(tiny_target.prefill(toks[:plen].tolist()).features, start=0)
+    out_a, out_b = (d.draft(int(toks[plen]), plen, tiny_target) for d in (a, b))
+    assert torch.allclose(out_a.base_logits, out_b.base_logits, atol=1e-4, rtol=1e-4)
+    # and it learns from there: the new layer's output projections leave zero
+    train(tiny_target, store, TrainConfig(out=str(tmp_path / "big2"), steps=10, num_layers=2, init_from=small, **kw),
+          progress=False)
+    g = dt.load_drafter(str(tmp_path / "big2" / "model"), target=tiny_target)
+    assert g.backbone.layers[1].self_attn.o_proj.weight.abs().sum() > 0
+    assert g.backbone.layers[1].mlp.down_proj.weight.abs().sum() > 0
+    with pytest.raises(ValueError, match="cannot grow 2 draft layers into 1"):
+        train(tiny_target, store, TrainConfig(out=str(tmp_path / "x"), steps=1, num_layers=1,
+                                              init_from=str(tmp_path / "big" / "model"), **kw), progress=False)
+    with pytest.raises(ValueError, match="drops target taps"):
+        train(tiny_target, store, TrainConfig(out=str(tmp_path / "y"), steps=1, num_layers=2, layer_ids=[1],
+                                              init_from=small, **kw), progress=False)
+    with pytest.raises(ValueError, match="not in the feature store"):
+        train(tiny_target, store, TrainConfig(out=str(tmp_path / "z"), steps=1, num_layers=1, layer_ids=[3], **kw),
+              progress=False)
+
+
+def test_committed_shards_are_reused_not_regenerated(tiny_target, tiny_data, tmp_path, monkeypatch):
+    """`seed_dir` shards made with the same recipe are copied; another recipe's are ignored."""
+    import shutil
+    import dominotree.train.data as data
+    root, _ = tiny_data
+    seeds = tmp_path / "seeds"
+    shutil.copytree(root / "data", seeds)
+    (seeds / "shard_00001.npz").unlink()                 # the seed dir lacks one shard: only that one is generated
+    made = []
+    real = data._generate_batch
+    monkeypatch.setattr(data, "_generate_batch", lambda *a, **k: made.append(1) or real(*a, **k))
+    kw = dict(num_prompts=48, shard_size=16, batch_size=16, max_new_tokens=40, sampled_every=3)
+    generate_data(tiny_target, tmp_path / "out", seed_dir=seeds, **kw)
+    assert len(made) == 1                                 # one batch of 16: shard 1 only
+    for k in (0, 2):
+        assert (tmp_path / "out" / f"shard_0000{k}.npz").read_bytes() == (seeds / f"shard_0000{k}.npz").read_bytes()
+    again = read_shards(tmp_path / "out")
+    assert [s.tokens.tolist() for s in again] == [s.tokens.tolist() for s in read_shards(root / "data")]
+    # a different recipe (here max_new_tokens) must not take those shards
+    made.clear()
+    generate_data(tiny_target, tmp_path / "other", seed_dir=seeds, **{**kw, "max_new_tokens": 20})
+    assert len(made) == 3
+    # a smaller num_prompts is the same recipe; its last, shorter shard is generated, not copied
+    # (as is shard 1, which the seed dir lacks)
+    made.clear()
+    generate_data(tiny_target, tmp_path / "fewer", seed_dir=seeds, **{**kw, "num_prompts": 40})
+    assert len(made) == 2 and len(read_shards(tmp_path / "fewer")) == 40

@@ -2,10 +2,16 @@
 
 Prompts (train/prompts.py) are chat-templated; responses are generated in bf16 batches, greedy for
 most shards and sampled (T = 0.7) for every `sampled_every`-th shard. Shards are written as
-compact uint16/int32 arrays; an existing shard is skipped, so an interrupted run resumes."""
+compressed uint16 arrays; an existing shard is skipped, so an interrupted run resumes.
+
+Writing a shard takes this CPU minutes (~6 for 256 prompts), so shards already written by an
+earlier run can be committed and reused: `seed_dir` (the repository's `train_data/<model>/`, see
+`SEED_DIR`) is searched for each missing shard, which is copied when it was made with the same
+recipe (same meta apart from the number of prompts) and holds the prompts this shard would get."""
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,10 +35,16 @@ def shard_path(out: Path, k: int) -> Path:
     return out / f"shard_{k:05d}.npz"
 
 
+def seed_dir_for(model: str) -> Path:
+    """Where a source checkout keeps committed training shards for a model (may not exist)."""
+    return Path(__file__).resolve().parents[3] / "train_data" / Path(model).name
+
+
 def write_shard(path: Path, seqs: list[Sequence]) -> None:
     lens = np.array([len(s.tokens) for s in seqs], dtype=np.int64)
+    tokens = np.concatenate([s.tokens for s in seqs])
     tmp = path.with_suffix(".tmp.npz")
-    np.savez(tmp, tokens=np.concatenate([s.tokens for s in seqs]).astype(np.uint32),
+    np.savez_compressed(tmp, tokens=tokens.astype(np.uint16 if tokens.max(initial=0) < 2 ** 16 else np.uint32),
              offsets=np.concatenate([[0], np.cumsum(lens)]),
              prompt_lens=np.array([s.prompt_len for s in seqs], dtype=np.int64),
              sources=np.array([s.source for s in seqs]))
@@ -54,7 +66,7 @@ def read_shards(data_dir: Path) -> list[Sequence]:
 
 def generate_data(target, out: Path, num_prompts: int = 6000, shard_size: int = 256, batch_size: int = 64,
                   max_new_tokens: int = 256, sampled_every: int = 4, temperature: float = 0.7,
-                  seed: int = 0, time_limit_s: float | None = None) -> dict:
+                  seed: int = 0, time_limit_s: float | None = None, seed_dir: Path | None = None) -> dict:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     prompts = training_prompts(seed)[:num_prompts]
@@ -65,6 +77,7 @@ def generate_data(target, out: Path, num_prompts: int = 6000, shard_size: int = 
     meta = {"num_prompts": len(prompts), "shard_size": shard_size, "max_new_tokens": max_new_tokens,
             "sampled_every": sampled_every, "temperature": temperature, "seed": seed, "target": target.name}
     (out / "meta.json").write_text(json.dumps(meta, indent=2))
+    seeds = _matching_seed_dir(seed_dir, meta)
     t0, made = time.time(), 0
     bar = tqdm(range(n_shards), desc="train data (shards)")
     for k in bar:
@@ -74,6 +87,9 @@ def generate_data(target, out: Path, num_prompts: int = 6000, shard_size: int = 
         if time_limit_s is not None and time.time() - t0 > time_limit_s:
             break
         rows = prompts[k * shard_size:(k + 1) * shard_size]
+        if seeds is not None and _seed_shard_fits(shard_path(seeds, k), len(rows)):
+            shutil.copyfile(shard_path(seeds, k), path)
+            continue
         sampled = sampled_every > 0 and k % sampled_every == sampled_every - 1
         gen = torch.Generator().manual_seed(seed * 100003 + k)
         seqs = []
@@ -85,6 +101,22 @@ def generate_data(target, out: Path, num_prompts: int = 6000, shard_size: int = 
         made += sum(len(s.tokens) - s.prompt_len for s in seqs)
         bar.set_postfix(resp_tokens=made, tok_s=f"{made / (time.time() - t0):.0f}")
     return meta
+
+
+def _matching_seed_dir(seed_dir: Path | None, meta: dict) -> Path | None:
+    """seed_dir if its shards were made with this recipe (meta equal but for num_prompts), else None."""
+    if seed_dir is None or not (Path(seed_dir) / "meta.json").is_file():
+        return None
+    theirs = json.loads((Path(seed_dir) / "meta.json").read_text())
+    same = {k: v for k, v in theirs.items() if k != "num_prompts"} == {k: v for k, v in meta.items() if k != "num_prompts"}
+    return Path(seed_dir) if same else None
+
+
+def _seed_shard_fits(path: Path, rows: int) -> bool:
+    if not path.is_file():
+        return False
+    with np.load(path) as z:
+        return len(z["prompt_lens"]) == rows     # a shard cut short by a smaller num_prompts is not reused
 
 
 @torch.inference_mode()

@@ -35,6 +35,7 @@ class TrainConfig:
     log_every: int = 10
     # architecture
     num_layers: int = 2
+    layer_ids: list[int] | None = None     # target taps used, a subset of the feature store's (None: all)
     block_size: int = 16
     intermediate_size: int | None = None   # None: the target's (as are the head counts)
     num_heads: int | None = None
@@ -98,7 +99,8 @@ def train(target, store: FeatureStore, tc: TrainConfig, progress: bool = True):
     out = Path(tc.out)
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(tc.seed)
-    cfg = drafter_config(tc, target, store.layer_ids)
+    layer_ids, feat_cols = tap_columns(store, tc.layer_ids)
+    cfg = drafter_config(tc, target, layer_ids)
     drafter = build_drafter(cfg, out.name)
     if tc.init_layers == "target":
         from .target_init import init_from_target_layers
@@ -142,7 +144,10 @@ def train(target, store: FeatureStore, tc: TrainConfig, progress: bool = True):
     t0 = time.time()
     while step < tc.steps:
         idx = torch.randint(len(store), (tc.seqs_per_step,), generator=gen).tolist()
-        batch = make_batch([store.sequence(i) for i in idx], cfg.block_size, tc.anchors_per_seq,
+        seqs = [store.sequence(i) for i in idx]
+        if feat_cols is not None:
+            seqs = [(toks, feats[:, feat_cols], plen) for toks, feats, plen in seqs]
+        batch = make_batch(seqs, cfg.block_size, tc.anchors_per_seq,
                            cfg.num_depths, cfg.mask_token_id, gen,
                            topk=[store.topk(i) for i in idx] if tc.distill > 0 else None)
         batch.labels = torch.where(batch.labels >= 0, remap[batch.labels.clamp_min(0)], batch.labels)
@@ -185,14 +190,31 @@ def train(target, store: FeatureStore, tc: TrainConfig, progress: bool = True):
     return drafter
 
 
+def tap_columns(store: FeatureStore, layer_ids) -> tuple[list[int], torch.Tensor | None]:
+    """The taps a run uses and the feature columns that hold them (None: all of the store's)."""
+    if layer_ids is None or list(layer_ids) == list(store.layer_ids):
+        return list(store.layer_ids), None
+    missing = [i for i in layer_ids if i not in store.layer_ids]
+    if missing:
+        raise ValueError(f"target layers {missing} are not in the feature store (it has {store.layer_ids}); "
+                         f"run `dominotree train features --layers ...` with them")
+    h = store.dim // len(store.layer_ids)
+    cols = torch.cat([torch.arange(store.layer_ids.index(i) * h, (store.layer_ids.index(i) + 1) * h) for i in layer_ids])
+    return list(layer_ids), cols
+
+
 def init_weights(drafter, tc: TrainConfig) -> bool:
     """Start from trained checkpoints: init_from's backbone (and, for a Domino run, its head), or
-    head_from's head. Returns whether the head was loaded."""
+    head_from's head. Returns whether the head was loaded. A backbone with fewer layers or taps
+    than this run's is grown into it (train/grow.py: the new parts start as no-ops)."""
     from ..drafters import load_checkpoint
+    from .grow import grow_backbone
     loaded = False
     if tc.init_from:
         init = load_checkpoint(Path(tc.init_from))
-        drafter.backbone.load_state_dict({k: v.float() for k, v in init.backbone.state_dict().items()})
+        added = grow_backbone(drafter.backbone, init.backbone.float())
+        if added["new_layers"] or added["new_taps"]:
+            print(f"grown from {tc.init_from}: new layers {added['new_layers']}, new target taps {added['new_taps']}")
         if tc.head and not tc.head_from and getattr(init, "head", None) is not None:
             load_head(drafter, init, tc.init_from, tc)   # a Domino checkpoint: continue its head too
             loaded = True

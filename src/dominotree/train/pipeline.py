@@ -60,6 +60,8 @@ def add_train_parser(sub) -> None:
     d.add_argument("--time-limit", type=float, default=None, help="stop starting new shards after N seconds")
     d.add_argument("--batch-size", type=int, default=64,
                    help="rows decoded together (the recipe's 64; 128 was no faster over 256-token answers on 2 cores)")
+    d.add_argument("--no-seed", action="store_true",
+                   help="generate every shard, even those committed under train_data/MODEL/ by an earlier run")
 
     f = ts.add_parser("features", help="cache the target's tapped-layer features")
     common(f)
@@ -77,7 +79,11 @@ def add_train_parser(sub) -> None:
         r.add_argument("--anchors-per-seq", type=int, default=RECIPE["anchors_per_seq"])
         r.add_argument("--seed", type=int, default=0, help="batch order and initialisation (a new seed: new batches)")
         r.add_argument("--init-from", default=None, help="start from this drafter checkpoint dir (its backbone; its head too for a domino run)")
-        r.add_argument("--num-layers", type=int, default=RECIPE["num_layers"])
+        r.add_argument("--num-layers", type=int, default=RECIPE["num_layers"],
+                       help="draft layers (more than --init-from's: the new ones start as the identity)")
+        r.add_argument("--layers", default=None,
+                       help="target layers tapped, a subset of the feature store's (default: all of them; "
+                            "taps --init-from lacks start with zero weight)")
         r.add_argument("--init-layers", choices=["random", "target"], default=RECIPE["init_layers"],
                        help="draft layers start random or as the target's last layers")
         r.add_argument("--distill", type=float, default=RECIPE["distill"],
@@ -116,11 +122,12 @@ def _target(args):
 
 
 def run_data(args, target=None):
-    from .data import generate_data
+    from .data import generate_data, seed_dir_for
     target = target or _target(args)
+    seed_dir = None if getattr(args, "no_seed", False) else seed_dir_for(args.model)
     generate_data(target, Path(args.workdir) / "data", num_prompts=args.num_prompts,
                   max_new_tokens=getattr(args, "max_new_tokens", 256), time_limit_s=getattr(args, "time_limit", None),
-                  batch_size=getattr(args, "batch_size", 64))
+                  batch_size=getattr(args, "batch_size", 64), seed_dir=seed_dir)
 
 
 def run_features(args, target=None):
@@ -144,7 +151,9 @@ def run_train(args, name: str, target=None):
         out=args.out or str(Path(args.workdir) / name), steps=args.steps, lr=getattr(args, "lr", 1e-3),
         seqs_per_step=getattr(args, "seqs_per_step", RECIPE["seqs_per_step"]),
         anchors_per_seq=getattr(args, "anchors_per_seq", RECIPE["anchors_per_seq"]),
-        num_layers=getattr(args, "num_layers", RECIPE["num_layers"]), block_size=RECIPE["block_size"],
+        num_layers=getattr(args, "num_layers", RECIPE["num_layers"]),
+        layer_ids=[int(x) for x in args.layers.split(",")] if getattr(args, "layers", None) else None,
+        block_size=RECIPE["block_size"],
         head=head, shift_label=RECIPE["shift_label"], init_from=getattr(args, "init_from", None),
         emb_dim=getattr(args, "emb_dim", RECIPE["emb_dim"]), gru_hidden_dim=getattr(args, "gru_hidden_dim", RECIPE["gru_hidden_dim"]),
         ttt=getattr(args, "ttt", False), curriculum=not getattr(args, "no_curriculum", False),
