@@ -123,7 +123,8 @@ def test_blocks_see_only_the_context_before_their_anchor(tiny_data):
 
 @pytest.mark.parametrize("head, extra", [(False, {}), (False, {"vocab": "full"}), (True, {}), (True, {"ttt": True}),
                                          (True, {"curriculum": False}), (False, {"distill": 0.7}),
-                                         (True, {"distill": 0.5}), (False, {"init_layers": "target"})])
+                                         (True, {"distill": 0.5}), (False, {"init_layers": "target"}),
+                                         (True, {"precision": "fp32"})])
 def test_training_learns_and_saves_a_loadable_drafter(tiny_target, tiny_data, tmp_path, head, extra):
     _, store = tiny_data
     tc = TrainConfig(out=str(tmp_path / "run"), steps=60, seqs_per_step=4, anchors_per_seq=6, lr=3e-3,
@@ -343,6 +344,9 @@ def test_a_grown_drafter_starts_as_the_one_it_grows_from(tiny_target, tiny_data,
     with pytest.raises(ValueError, match="drops target taps"):
         train(tiny_target, store, TrainConfig(out=str(tmp_path / "y"), steps=1, num_layers=2, layer_ids=[1],
                                               init_from=small, **kw), progress=False)
+    with pytest.raises(ValueError, match="precision must be"):
+        train(tiny_target, store, TrainConfig(out=str(tmp_path / "p"), steps=1, num_layers=1, precision="fp16", **kw),
+              progress=False)
     with pytest.raises(ValueError, match="not in the feature store"):
         train(tiny_target, store, TrainConfig(out=str(tmp_path / "z"), steps=1, num_layers=1, layer_ids=[3], **kw),
               progress=False)

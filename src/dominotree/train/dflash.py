@@ -64,6 +64,9 @@ class TrainConfig:
     # from the feature store's cached top-k (`train features --topk K`). Soft labels carry the
     # target's whole ranking, and on sampled responses its greedy choice, not the sampled token.
     distill: float = 0.0
+    # "bf16": matmuls under bf16 autocast (fp32 master weights), ~2x faster where the CPU has AMX;
+    # "fp32": no autocast, faster on CPUs without AMX (docs/TRAINING.md, measured costs).
+    precision: str = "bf16"
     extra: dict = field(default_factory=dict)
 
 
@@ -117,8 +120,11 @@ def train(target, store: FeatureStore, tc: TrainConfig, progress: bool = True):
     no_decay = [p for p in params if p.dim() <= 1]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": tc.weight_decay},
                              {"params": no_decay, "weight_decay": 0.0}], lr=tc.lr, betas=(0.9, 0.95))
-    embed_w = target.model.get_input_embeddings().weight.detach().to(torch.bfloat16)
-    head_w = target.model.get_output_embeddings().weight.detach().to(torch.bfloat16)
+    if tc.precision not in ("bf16", "fp32"):
+        raise ValueError(f"precision must be 'bf16' or 'fp32', got {tc.precision!r}")
+    low = torch.bfloat16 if tc.precision == "bf16" else torch.float32
+    embed_w = target.model.get_input_embeddings().weight.detach().to(low)
+    head_w = target.model.get_output_embeddings().weight.detach().to(low)
     seen, remap = training_vocab(store, cfg.vocab_size, tc.vocab)
     unseen = (remap < 0).nonzero()[:, 0]
     if tc.head and not head_loaded:
@@ -150,6 +156,7 @@ def train(target, store: FeatureStore, tc: TrainConfig, progress: bool = True):
         batch = make_batch(seqs, cfg.block_size, tc.anchors_per_seq,
                            cfg.num_depths, cfg.mask_token_id, gen,
                            topk=[store.topk(i) for i in idx] if tc.distill > 0 else None)
+        batch.ctx_feats = batch.ctx_feats.to(low)
         batch.labels = torch.where(batch.labels >= 0, remap[batch.labels.clamp_min(0)], batch.labels)
         if batch.soft_ids is not None:     # soft labels outside the training vocabulary are dropped
             batch.soft_ids = torch.where(batch.soft_ids >= 0, remap[batch.soft_ids.clamp_min(0)], batch.soft_ids)
@@ -159,7 +166,7 @@ def train(target, store: FeatureStore, tc: TrainConfig, progress: bool = True):
         lam = max(0.0, 1.0 - step / max(1, tc.steps - 1)) if tc.curriculum and not tc.freeze_backbone else 0.0
         for g in opt.param_groups:
             g["lr"] = lr_at(step, tc)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=tc.precision == "bf16"):
             with torch.set_grad_enabled(not tc.freeze_backbone):
                 hid = block_hidden(drafter.backbone, batch, embed_w, cfg)
             loss, metrics = domino_loss(drafter, hid, batch, embed_w, head_w[vocab_ids], vocab_ids, weights, cfg, lam, tc)

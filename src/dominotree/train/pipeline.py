@@ -89,6 +89,8 @@ def add_train_parser(sub) -> None:
         r.add_argument("--distill", type=float, default=RECIPE["distill"],
                        help="weight of the target's top-k soft labels in the loss (needs features --topk)")
         r.add_argument("--gamma", type=float, default=RECIPE["gamma"], help="per-depth loss decay exp(-(d-1)/gamma)")
+        r.add_argument("--precision", choices=["bf16", "fp32"], default="bf16",
+                       help="bf16 autocast (fast with AMX) or plain fp32 (faster on CPUs without AMX)")
         r.add_argument("--vocab", choices=["data", "full"], default="data",
                        help="softmax of the loss over the tokens seen in the data (fast) or the whole vocabulary")
         if name == "domino":
@@ -160,7 +162,7 @@ def run_train(args, name: str, target=None):
         vocab=getattr(args, "vocab", "data"), init_layers=getattr(args, "init_layers", RECIPE["init_layers"]),
         gamma=getattr(args, "gamma", RECIPE["gamma"]), distill=getattr(args, "distill", RECIPE["distill"]),
         freeze_backbone=getattr(args, "freeze_backbone", False), head_from=getattr(args, "head_from", None),
-        seed=getattr(args, "seed", 0))
+        seed=getattr(args, "seed", 0), precision=getattr(args, "precision", "bf16"))
     train(target, store, tc)
     return Path(tc.out) / "model"
 
