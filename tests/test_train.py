@@ -368,6 +368,10 @@ def test_committed_shards_are_reused_not_regenerated(tiny_target, tiny_data, tmp
     assert len(made) == 1                                 # one batch of 16: shard 1 only
     for k in (0, 2):
         assert (tmp_path / "out" / f"shard_0000{k}.npz").read_bytes() == (seeds / f"shard_0000{k}.npz").read_bytes()
+    # copies cost nothing, so they happen past the time limit too (generation does not)
+    made.clear()
+    generate_data(tiny_target, tmp_path / "quick", seed_dir=seeds, time_limit_s=0, **kw)
+    assert not made and (tmp_path / "quick" / "shard_00000.npz").is_file()
     again = read_shards(tmp_path / "out")
     assert [s.tokens.tolist() for s in again] == [s.tokens.tolist() for s in read_shards(root / "data")]
     # a different recipe (here max_new_tokens) must not take those shards

@@ -84,12 +84,12 @@ def generate_data(target, out: Path, num_prompts: int = 6000, shard_size: int = 
         path = shard_path(out, k)
         if path.exists():
             continue
-        if time_limit_s is not None and time.time() - t0 > time_limit_s:
-            break
         rows = prompts[k * shard_size:(k + 1) * shard_size]
         if seeds is not None and _seed_shard_fits(shard_path(seeds, k), len(rows)):
-            shutil.copyfile(shard_path(seeds, k), path)
+            shutil.copyfile(shard_path(seeds, k), path)      # a copy costs nothing: past the time limit too
             continue
+        if time_limit_s is not None and time.time() - t0 > time_limit_s:
+            break
         sampled = sampled_every > 0 and k % sampled_every == sampled_every - 1
         gen = torch.Generator().manual_seed(seed * 100003 + k)
         seqs = []
