@@ -5,8 +5,8 @@ most shards and sampled (T = 0.7) for every `sampled_every`-th shard. Shards are
 compressed uint16 arrays; an existing shard is skipped, so an interrupted run resumes.
 
 Writing a shard takes this CPU minutes (~6 for 256 prompts), so shards already written by an
-earlier run can be committed and reused: `seed_dir` (the repository's `train_data/<model>/`, see
-`SEED_DIR`) is searched for each missing shard, which is copied when it was made with the same
+earlier run can be committed and reused: `seed_dir` (the repository's `train_data/<model>/`,
+`seed_dir_for`) is searched for each missing shard, which is copied when it was made with the same
 recipe (same meta apart from the number of prompts) and holds the prompts this shard would get."""
 from __future__ import annotations
 

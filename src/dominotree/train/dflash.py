@@ -99,6 +99,8 @@ def train(target, store: FeatureStore, tc: TrainConfig, progress: bool = True):
     from .domino import domino_loss
     if tc.freeze_backbone and not tc.head:
         raise ValueError("freeze_backbone trains the head only: it needs a Domino run with a head")
+    if tc.precision not in ("bf16", "fp32"):
+        raise ValueError(f"precision must be 'bf16' or 'fp32', got {tc.precision!r}")
     out = Path(tc.out)
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(tc.seed)
@@ -120,8 +122,6 @@ def train(target, store: FeatureStore, tc: TrainConfig, progress: bool = True):
     no_decay = [p for p in params if p.dim() <= 1]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": tc.weight_decay},
                              {"params": no_decay, "weight_decay": 0.0}], lr=tc.lr, betas=(0.9, 0.95))
-    if tc.precision not in ("bf16", "fp32"):
-        raise ValueError(f"precision must be 'bf16' or 'fp32', got {tc.precision!r}")
     low = torch.bfloat16 if tc.precision == "bf16" else torch.float32
     embed_w = target.model.get_input_embeddings().weight.detach().to(low)
     head_w = target.model.get_output_embeddings().weight.detach().to(low)
@@ -150,10 +150,7 @@ def train(target, store: FeatureStore, tc: TrainConfig, progress: bool = True):
     t0 = time.time()
     while step < tc.steps:
         idx = torch.randint(len(store), (tc.seqs_per_step,), generator=gen).tolist()
-        seqs = [store.sequence(i) for i in idx]
-        if feat_cols is not None:
-            seqs = [(toks, feats[:, feat_cols], plen) for toks, feats, plen in seqs]
-        batch = make_batch(seqs, cfg.block_size, tc.anchors_per_seq,
+        batch = make_batch([store.sequence(i, feat_cols) for i in idx], cfg.block_size, tc.anchors_per_seq,
                            cfg.num_depths, cfg.mask_token_id, gen,
                            topk=[store.topk(i) for i in idx] if tc.distill > 0 else None)
         batch.ctx_feats = batch.ctx_feats.to(low)
@@ -197,7 +194,7 @@ def train(target, store: FeatureStore, tc: TrainConfig, progress: bool = True):
     return drafter
 
 
-def tap_columns(store: FeatureStore, layer_ids) -> tuple[list[int], torch.Tensor | None]:
+def tap_columns(store: FeatureStore, layer_ids) -> tuple[list[int], np.ndarray | None]:
     """The taps a run uses and the feature columns that hold them (None: all of the store's)."""
     if layer_ids is None or list(layer_ids) == list(store.layer_ids):
         return list(store.layer_ids), None
@@ -206,7 +203,7 @@ def tap_columns(store: FeatureStore, layer_ids) -> tuple[list[int], torch.Tensor
         raise ValueError(f"target layers {missing} are not in the feature store (it has {store.layer_ids}); "
                          f"run `dominotree train features --layers ...` with them")
     h = store.dim // len(store.layer_ids)
-    cols = torch.cat([torch.arange(store.layer_ids.index(i) * h, (store.layer_ids.index(i) + 1) * h) for i in layer_ids])
+    cols = np.concatenate([store.layer_ids.index(i) * h + np.arange(h) for i in layer_ids])
     return list(layer_ids), cols
 
 

@@ -34,10 +34,12 @@ class FeatureStore:
     def __len__(self) -> int:
         return len(self.offsets) - 1
 
-    def sequence(self, i: int):
+    def sequence(self, i: int, columns: np.ndarray | None = None):
+        """(tokens, features, prompt length) of sequence i; `columns` picks feature columns (taps)."""
         a, b = int(self.offsets[i]), int(self.offsets[i + 1])
         toks = torch.from_numpy(np.asarray(self.tokens[a:b], dtype=np.int64))
-        feats = torch.from_numpy(np.array(self.feats[a:b])).view(torch.bfloat16)
+        rows = self.feats[a:b]
+        feats = torch.from_numpy(np.array(rows if columns is None else rows[:, columns])).view(torch.bfloat16)
         return toks, feats, int(self.prompt_lens[i])
 
     def topk(self, i: int):

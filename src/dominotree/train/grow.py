@@ -33,7 +33,7 @@ def grow_backbone(dst: DFlashBackbone, src: DFlashBackbone) -> dict:
     _check(dst, src)
     h = dst.config.hidden_size
     for a, b in zip(dst.layers, src.layers):
-        a.load_state_dict({k: v.to(a.state_dict()[k].dtype) for k, v in b.state_dict().items()})
+        a.load_state_dict(b.state_dict())      # copies into dst's tensors, in dst's dtype
     new_layers = list(range(src.config.num_hidden_layers, dst.config.num_hidden_layers))
     for i in new_layers:
         dst.layers[i].self_attn.o_proj.weight.zero_()
