@@ -383,3 +383,67 @@ def test_committed_shards_are_reused_not_regenerated(tiny_target, tiny_data, tmp
     made.clear()
     generate_data(tiny_target, tmp_path / "fewer", seed_dir=seeds, **{**kw, "num_prompts": 40})
     assert len(made) == 2 and len(read_shards(tmp_path / "fewer")) == 40
+
+
+@pytest.mark.parametrize("fusion", [False, True])
+def test_training_blocks_compute_what_the_drafter_drafts(tiny_target, tiny_data, tmp_path, fusion):
+    """The training path (all blocks of a sequence at once, masked) and the inference path (context
+    cached up to the root, one block) give the same backbone output, with and without anchor fusion."""
+    from dominotree.train.dflash import block_hidden, drafter_config
+    _, store = tiny_data
+    tc = TrainConfig(out=str(tmp_path / "r"), num_layers=2, block_size=6, intermediate_size=64, num_heads=4,
+                     num_kv_heads=2, mask_token_id=3, shift_label=True, anchor_fusion=fusion)
+    cfg = drafter_config(tc, tiny_target, store.layer_ids)
+    drafter = dt.drafters.build_drafter(cfg)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for p in drafter.backbone.parameters():    # random everywhere, anchor_proj included
+            p.normal_(0, 0.3)
+    toks, feats, plen = store.sequence(5)
+    batch = make_batch([(toks, feats, plen)], 6, 4, cfg.num_depths, 3, torch.Generator().manual_seed(2))
+    embed_w = tiny_target.model.get_input_embeddings().weight.detach()
+    batch.ctx_feats = batch.ctx_feats.float()
+    with torch.no_grad():
+        train_hid = block_hidden(drafter.backbone, batch, embed_w, cfg)       # [1, N, D, h]
+    for n in range(4):
+        a = int(batch.block_pos[0, n * 6])
+        drafter.reset()
+        drafter.add_context(feats[:a].float(), start=0)
+        hid = drafter.block_hidden(int(toks[a]), a, tiny_target)
+        assert torch.allclose(hid, train_hid[0, n], atol=1e-4), n
+    if fusion:   # the fused feature matters: another context row before the root changes the block
+        drafter.reset()
+        drafter.add_context(torch.cat([feats[:a - 1], feats[:1]]).float(), start=0)
+        assert not torch.allclose(drafter.block_hidden(int(toks[a]), a, tiny_target), hid, atol=1e-3)
+
+
+def test_anchor_fusion_grows_from_a_plain_drafter_and_round_trips(tiny_target, tiny_data, tmp_path):
+    _, store = tiny_data
+    kw = dict(seqs_per_step=4, anchors_per_seq=6, block_size=6, intermediate_size=64, num_heads=4, num_kv_heads=2,
+              mask_token_id=3, shift_label=True, save_every=40, log_every=10, num_layers=1)
+    train(tiny_target, store, TrainConfig(out=str(tmp_path / "plain"), steps=30, lr=3e-3, **kw), progress=False)
+    plain = str(tmp_path / "plain" / "model")
+    train(tiny_target, store, TrainConfig(out=str(tmp_path / "f0"), steps=1, lr=0.0, init_from=plain,
+                                          anchor_fusion=True, **kw), progress=False)
+    train(tiny_target, store, TrainConfig(out=str(tmp_path / "f"), steps=30, lr=3e-3, init_from=plain,
+                                          anchor_fusion=True, **kw), progress=False)
+    a, b, f = (dt.load_drafter(str(tmp_path / r / "model"), target=tiny_target, dtype=torch.float32)
+               for r in ("plain", "f0", "f"))
+    cfg = json.loads((tmp_path / "f" / "model" / "config.json").read_text())
+    assert cfg["dflash_config"]["anchor_fusion"] is True and b.config.anchor_fusion and not a.config.anchor_fusion
+    assert b.backbone.anchor_scale.abs().sum() == 0 and f.backbone.anchor_scale.abs().sum() > 0
+    toks, _, plen = store.sequence(3)
+    tiny_target.set_taps(a.target_layer_ids)
+    feats = tiny_target.prefill(toks[:plen].tolist()).features
+    outs = []
+    for d in (a, b):
+        d.reset()
+        d.add_context(feats, start=0)
+        outs.append(d.draft(int(toks[plen]), plen, tiny_target).base_logits)
+    assert torch.allclose(outs[0], outs[1], atol=1e-4, rtol=1e-4)     # fusion at zero: the same drafts
+    prompt = toks[:plen].tolist()
+    assert (dt.generate(tiny_target, f, prompt, method="dflash", max_new_tokens=30).token_ids
+            == dt.generate(tiny_target, None, prompt, method="ar", max_new_tokens=30).token_ids)
+    with pytest.raises(ValueError, match="without anchor fusion"):
+        train(tiny_target, store, TrainConfig(out=str(tmp_path / "x"), steps=1, init_from=str(tmp_path / "f" / "model"),
+                                              **kw), progress=False)

@@ -47,6 +47,7 @@ class TrainConfig:
     emb_dim: int = 128
     gru_hidden_dim: int = 256
     pure_draft_prefix_len: int = 1
+    anchor_fusion: bool = False   # feed the feature before the root into the block too (drafters/dflash.py)
     curriculum: bool = True       # lambda 1 -> 0 linearly; False: final-logit loss only
     ttt: bool = False             # GRU fed its own drafts instead of the ground truth
     init_from: str | None = None  # start from a trained drafter checkpoint dir (backbone; head too if both have one)
@@ -84,7 +85,7 @@ def drafter_config(tc: TrainConfig, target, layer_ids) -> DrafterConfig:
         rope_theta=float(rope.get("rope_theta", getattr(t, "rope_theta", 10000.0))),
         max_position_embeddings=target.max_context,
         projector_type="domino" if tc.head else None, emb_dim=tc.emb_dim, gru_hidden_dim=tc.gru_hidden_dim,
-        pure_draft_prefix_len=tc.pure_draft_prefix_len, shift_label=tc.shift_label)
+        pure_draft_prefix_len=tc.pure_draft_prefix_len, shift_label=tc.shift_label, anchor_fusion=tc.anchor_fusion)
 
 
 def lr_at(step: int, tc: TrainConfig) -> float:
@@ -217,8 +218,9 @@ def init_weights(drafter, tc: TrainConfig) -> bool:
     if tc.init_from:
         init = load_checkpoint(Path(tc.init_from))
         added = grow_backbone(drafter.backbone, init.backbone.float())
-        if added["new_layers"] or added["new_taps"]:
-            print(f"grown from {tc.init_from}: new layers {added['new_layers']}, new target taps {added['new_taps']}")
+        if added["new_layers"] or added["new_taps"] or added["new_fusion"]:
+            print(f"grown from {tc.init_from}: new layers {added['new_layers']}, new target taps {added['new_taps']}"
+                  f"{', anchor fusion at zero' if added['new_fusion'] else ''}")
         if tc.head and not tc.head_from and getattr(init, "head", None) is not None:
             load_head(drafter, init, tc.init_from, tc)   # a Domino checkpoint: continue its head too
             loaded = True
@@ -257,8 +259,13 @@ def block_hidden(backbone: DFlashBackbone, batch, embed_w, cfg: DrafterConfig) -
     """Backbone output per depth: [B, N, D, h]."""
     ctx = backbone.project_context(batch.ctx_feats)
     ctx_kv = backbone.context_kv(ctx, batch.ctx_pos)
-    hid = backbone(embed_w[batch.block_ids], batch.block_pos, ctx_kv, batch.mask)
     B, N = batch.labels.shape[:2]
+    anchor_ctx = None
+    if cfg.anchor_fusion:    # the context row just before each root (unused slots: row 0, no labels)
+        before = (batch.block_pos[:, ::cfg.block_size] - 1).clamp_min(0)            # [B, N]
+        anchor_ctx = ctx.gather(1, before[..., None].expand(-1, -1, ctx.shape[-1]))
+        anchor_ctx = anchor_ctx.repeat_interleave(cfg.block_size, 1)
+    hid = backbone(embed_w[batch.block_ids], batch.block_pos, ctx_kv, batch.mask, anchor_ctx)
     hid = hid.view(B, N, cfg.block_size, -1)
     return hid[:, :, :cfg.num_depths] if cfg.shift_label else hid[:, :, 1:]
 

@@ -84,6 +84,9 @@ def add_train_parser(sub) -> None:
         r.add_argument("--layers", default=None,
                        help="target layers tapped, a subset of the feature store's (default: all of them; "
                             "taps --init-from lacks start with zero weight)")
+        r.add_argument("--anchor-fusion", action="store_true",
+                       help="also add the context feature before each root to the block inputs (EAGLE-style; "
+                            "not in the published DFlash layout; from --init-from without it, it starts at zero)")
         r.add_argument("--init-layers", choices=["random", "target"], default=RECIPE["init_layers"],
                        help="draft layers start random or as the target's last layers")
         r.add_argument("--distill", type=float, default=RECIPE["distill"],
@@ -162,7 +165,8 @@ def run_train(args, name: str, target=None):
         vocab=getattr(args, "vocab", "data"), init_layers=getattr(args, "init_layers", RECIPE["init_layers"]),
         gamma=getattr(args, "gamma", RECIPE["gamma"]), distill=getattr(args, "distill", RECIPE["distill"]),
         freeze_backbone=getattr(args, "freeze_backbone", False), head_from=getattr(args, "head_from", None),
-        seed=getattr(args, "seed", 0), precision=getattr(args, "precision", "bf16"))
+        seed=getattr(args, "seed", 0), precision=getattr(args, "precision", "bf16"),
+        anchor_fusion=getattr(args, "anchor_fusion", False))
     train(target, store, tc)
     return Path(tc.out) / "model"
 
