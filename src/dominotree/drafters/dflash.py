@@ -7,9 +7,9 @@ then injected as extra keys/values into every layer (KV injection). Queries come
 across rounds, block K/V never are.
 
 Optional anchor fusion (`dflash_config.anchor_fusion`, off in the published layout): the projected
-context feature of the position just before the root is also added, through `anchor_proj` and a
-per-channel `anchor_scale` that starts at zero, to every
-block input, as EAGLE feeds its feature beside the token, instead of leaving attention to find it.
+context feature of the position just before the root is also added to every block input, through
+`anchor_proj` and a per-channel `anchor_scale` that starts at zero, as EAGLE feeds its feature
+beside the token, instead of leaving attention to find it.
 """
 from __future__ import annotations
 

@@ -218,9 +218,8 @@ def init_weights(drafter, tc: TrainConfig) -> bool:
     if tc.init_from:
         init = load_checkpoint(Path(tc.init_from))
         added = grow_backbone(drafter.backbone, init.backbone.float())
-        if added["new_layers"] or added["new_taps"] or added["new_fusion"]:
-            print(f"grown from {tc.init_from}: new layers {added['new_layers']}, new target taps {added['new_taps']}"
-                  f"{', anchor fusion at zero' if added['new_fusion'] else ''}")
+        if any(added.values()):
+            print(f"grown from {tc.init_from}: " + ", ".join(f"{k} {v}" for k, v in added.items() if v))
         if tc.head and not tc.head_from and getattr(init, "head", None) is not None:
             load_head(drafter, init, tc.init_from, tc)   # a Domino checkpoint: continue its head too
             loaded = True
