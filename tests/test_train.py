@@ -46,7 +46,8 @@ def test_features_match_the_target(tiny_target, tiny_data):
     assert torch.allclose(feats.float(), ref.float(), atol=0.05, rtol=0.02)   # stored in bf16
 
 
-def test_feature_store_grows_with_the_data_without_recomputing_the_old_sequences(tiny_target, tiny_data, tmp_path):
+def test_feature_store_grows_with_the_data_without_recomputing_the_old_sequences(tiny_target, tiny_llama_dir, tiny_data,
+                                                                                 tmp_path):
     import shutil
     import numpy as np
     from dominotree.train.features import FeatureStore
@@ -77,6 +78,15 @@ def test_feature_store_grows_with_the_data_without_recomputing_the_old_sequences
     other = build_feature_store(tiny_target, tmp_path / "data", tmp_path / "f", layer_ids=[1, 2], topk=2)
     assert bytes(np.array(other.feats[:1]).tobytes()[:2]) != b"\xff\xff" and other.topk(0)[0].shape[1] == 2
     assert FeatureStore(tmp_path / "f").layer_ids == [1, 2]
+    # the target in another dtype (`train features --precision`): rebuilt too, not mixed into the store
+    marked = bytearray((tmp_path / "f" / "features.u16").read_bytes())
+    marked[:2] = b"\xff\xff"
+    (tmp_path / "f" / "features.u16").write_bytes(bytes(marked))
+    assert other.target_dtype == "torch.float32"
+    bf16 = build_feature_store(dt.load_target(str(tiny_llama_dir), dtype=torch.bfloat16), tmp_path / "data",
+                               tmp_path / "f", layer_ids=[1, 2], topk=2)
+    assert bf16.target_dtype == "torch.bfloat16" and bytes(np.array(bf16.feats[:1]).tobytes()[:2]) != b"\xff\xff"
+    torch.testing.assert_close(bf16.sequence(3)[1].float(), other.sequence(3)[1].float(), atol=0.1, rtol=0.05)
 
 
 def test_target_topk_are_the_targets_next_token_log_probs(tiny_target, tiny_data, tmp_path):
@@ -300,7 +310,11 @@ def test_train_all_runs_every_stage_and_bundles_the_drafters(tiny_llama_dir, tin
                               max_new_tokens=24)
     assert pipeline.main(args) == 0
     work = tmp_path / "w"
-    assert (work / "features" / "topk_ids.npy").is_file()
+    assert not (work / "features" / "topk_ids.npy").exists()       # no soft labels: the recipe does not distill
+    from dominotree.train.precision import resolve_precision
+    want = {"bf16": "torch.bfloat16", "fp32": "torch.float32"}[resolve_precision("auto")]
+    assert json.loads((work / "features" / "features.json").read_text())["target_dtype"] == want
+    assert json.loads((work / "dflash" / "train_config.json").read_text())["precision"] == resolve_precision("auto")
     # each stage starts from the one before it, with its own loss weighting
     for run, _, overrides, start in pipeline.STAGES:
         cfg = json.loads((work / run / "train_config.json").read_text())

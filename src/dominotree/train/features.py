@@ -20,6 +20,7 @@ class FeatureStore:
         meta = json.loads((self.root / "features.json").read_text())
         self.layer_ids = meta["layer_ids"]
         self.target = meta.get("target")
+        self.target_dtype = meta.get("target_dtype", "torch.bfloat16")   # stores older than the field: bf16
         self.dim = meta["dim"]
         self.offsets = np.array(meta["offsets"], dtype=np.int64)
         self.prompt_lens = np.array(meta["prompt_lens"], dtype=np.int64)
@@ -111,15 +112,16 @@ def target_topk(target, last_hidden: torch.Tensor, k: int):
 
 
 def _reusable_prefix(out: Path, tokens: np.ndarray, offsets: np.ndarray, layer_ids, topk: int,
-                     target_name: str) -> "FeatureStore | None":
-    """The existing store at `out` if it holds leading sequences of this exact request (same target,
-    taps, top-k, and the same tokens for those sequences); None if there is none or it does not fit."""
+                     target_name: str, target_dtype: str) -> "FeatureStore | None":
+    """The existing store at `out` if it holds leading sequences of this exact request (same target
+    and dtype, taps, top-k, and the same tokens for those sequences); None if there is none or it
+    does not fit."""
     if not (out / "features.json").exists():
         return None
     old = FeatureStore(out)
     old_k = 0 if old.topk_ids is None else old.topk_ids.shape[1]
     n = len(old)
-    if (old.layer_ids != list(layer_ids) or old.target != target_name or old_k != topk
+    if (old.layer_ids != list(layer_ids) or old.target != target_name or old_k != topk or old.target_dtype != target_dtype
             or n > len(offsets) - 1 or not np.array_equal(old.offsets, offsets[:n + 1])
             or not np.array_equal(np.asarray(old.tokens), tokens[:old.offsets[-1]])):
         return None
@@ -143,7 +145,7 @@ def build_feature_store(target, data_dir: Path, out: Path, layer_ids: list[int],
     tokens = np.concatenate([s.tokens for s in seqs]).astype(np.int32)
     dim = len(layer_ids) * target.hidden_size
     total = int(offsets[-1])
-    old = _reusable_prefix(out, tokens, offsets, layer_ids, topk, target.name)
+    old = _reusable_prefix(out, tokens, offsets, layer_ids, topk, target.name, str(target.dtype))
     done = len(old) if old is not None else 0
     if old is None:
         (out / "features.json").unlink(missing_ok=True)
@@ -180,5 +182,5 @@ def build_feature_store(target, data_dir: Path, out: Path, layer_ids: list[int],
         writer.close()
     (out / "features.json").write_text(json.dumps({
         "layer_ids": list(layer_ids), "dim": dim, "offsets": offsets.tolist(),
-        "prompt_lens": [s.prompt_len for s in seqs], "target": target.name}))
+        "prompt_lens": [s.prompt_len for s in seqs], "target": target.name, "target_dtype": str(target.dtype)}))
     return FeatureStore(out)

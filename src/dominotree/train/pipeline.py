@@ -8,11 +8,13 @@ import argparse
 import shutil
 from pathlib import Path
 
+from .precision import CHOICES, resolve_precision
+
 # The recipe for SmolLM2-135M (30 layers, hidden 576), sized for a 2-core CPU (see docs/TRAINING.md).
 # Both drafters use shift_label (block position d predicts depth d + 1: 16 depths per block), so the
 # Domino run can start from the trained DFlash backbone.
 RECIPE = dict(layer_ids=[1, 14, 27], num_layers=2, block_size=16, emb_dim=128, gru_hidden_dim=256,
-              shift_label=True, init_layers="random", gamma=7.0, topk=8, distill=0.0, dflash_steps=2000,
+              shift_label=True, init_layers="random", gamma=7.0, topk=0, distill=0.0, dflash_steps=2000,
               domino_steps=700, seqs_per_step=8, anchors_per_seq=12)
 
 # `train all`: the stages behind the bundled drafters, in order (run dir, trainer, overrides, start).
@@ -66,7 +68,10 @@ def add_train_parser(sub) -> None:
     f = ts.add_parser("features", help="cache the target's tapped-layer features")
     common(f)
     f.add_argument("--layers", default=",".join(map(str, RECIPE["layer_ids"])))
-    f.add_argument("--topk", type=int, default=RECIPE["topk"], help="also cache the target's top-k (soft labels; 0: no)")
+    f.add_argument("--topk", type=int, default=RECIPE["topk"],
+                   help="also cache the target's top-k (soft labels for --distill; the recipe's 0: none, the top-8 adds ~50%% to the pass)")
+    f.add_argument("--precision", choices=CHOICES, default="auto",
+                   help="the target's dtype for the pass (auto: bf16 with AMX, else fp32, ~1.5x faster there)")
     f.add_argument("--add-topk", action="store_true", help="only add the top-k to the existing feature store")
 
     for name in ("dflash", "domino"):
@@ -92,8 +97,8 @@ def add_train_parser(sub) -> None:
         r.add_argument("--distill", type=float, default=RECIPE["distill"],
                        help="weight of the target's top-k soft labels in the loss (needs features --topk)")
         r.add_argument("--gamma", type=float, default=RECIPE["gamma"], help="per-depth loss decay exp(-(d-1)/gamma)")
-        r.add_argument("--precision", choices=["bf16", "fp32"], default="bf16",
-                       help="bf16 autocast (fast with AMX) or plain fp32 (faster on CPUs without AMX)")
+        r.add_argument("--precision", choices=CHOICES, default="auto",
+                       help="bf16 autocast (fast with AMX) or plain fp32 (faster on CPUs without AMX); auto: by the CPU")
         r.add_argument("--vocab", choices=["data", "full"], default="data",
                        help="softmax of the loss over the tokens seen in the data (fast) or the whole vocabulary")
         if name == "domino":
@@ -119,6 +124,8 @@ def add_train_parser(sub) -> None:
     a = ts.add_parser("all", help="data -> features -> dflash -> domino -> checkpoints/")
     common(a)
     a.add_argument("--num-prompts", type=int, default=12000)
+    a.add_argument("--precision", choices=CHOICES, default="auto",
+                   help="features and training (data is always written in bf16); auto: bf16 with AMX, else fp32")
 
 
 def _target(args):
@@ -136,8 +143,12 @@ def run_data(args, target=None):
 
 
 def run_features(args, target=None):
+    import torch
     from .features import FeatureStore, build_feature_store, build_target_topk
-    target = target or _target(args)
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[resolve_precision(getattr(args, "precision", "auto"))]
+    if target is None or target.dtype != dtype:     # `train all` hands over its bf16 data writer
+        import dominotree as dt
+        target = dt.load_target(args.model, dtype=dtype)
     root, topk = Path(args.workdir) / "features", getattr(args, "topk", RECIPE["topk"])
     if getattr(args, "add_topk", False):
         build_target_topk(target, FeatureStore(root), topk)
@@ -165,7 +176,7 @@ def run_train(args, name: str, target=None):
         vocab=getattr(args, "vocab", "data"), init_layers=getattr(args, "init_layers", RECIPE["init_layers"]),
         gamma=getattr(args, "gamma", RECIPE["gamma"]), distill=getattr(args, "distill", RECIPE["distill"]),
         freeze_backbone=getattr(args, "freeze_backbone", False), head_from=getattr(args, "head_from", None),
-        seed=getattr(args, "seed", 0), precision=getattr(args, "precision", "bf16"),
+        seed=getattr(args, "seed", 0), precision=resolve_precision(getattr(args, "precision", "auto")),
         anchor_fusion=getattr(args, "anchor_fusion", False))
     train(target, store, tc)
     return Path(tc.out) / "model"
