@@ -209,13 +209,17 @@ class TargetModel:
         return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
 
 
+# dtype names accepted by load_target (and the training's --precision values)
+DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32,
+          "float32": torch.float32, "fp16": torch.float16, "float16": torch.float16}
+
+
 def load_target(name_or_path: str = "smollm2-135m", dtype: str | torch.dtype | None = None,
                 device: str = "cpu") -> TargetModel:
     """Load the embedded default (by name) or any local HF causal-LM directory, offline."""
     path = resolve_target(name_or_path)
     if isinstance(dtype, str):
-        dtype = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32,
-                 "float32": torch.float32, "fp16": torch.float16, "float16": torch.float16}[dtype]
+        dtype = DTYPES[dtype]
     # bf16 by default: on CPU it verifies many tokens more cheaply than fp32 (DESIGN.md).
     dtype = dtype or torch.bfloat16
     logging.getLogger("transformers").setLevel(logging.ERROR)

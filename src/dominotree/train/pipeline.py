@@ -143,11 +143,11 @@ def run_data(args, target=None):
 
 
 def run_features(args, target=None):
-    import torch
+    import dominotree as dt
+    from ..target import DTYPES
     from .features import FeatureStore, build_feature_store, build_target_topk
-    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[resolve_precision(getattr(args, "precision", "auto"))]
+    dtype = DTYPES[resolve_precision(getattr(args, "precision", "auto"))]
     if target is None or target.dtype != dtype:     # `train all` hands over its bf16 data writer
-        import dominotree as dt
         target = dt.load_target(args.model, dtype=dtype)
     root, topk = Path(args.workdir) / "features", getattr(args, "topk", RECIPE["topk"])
     if getattr(args, "add_topk", False):
