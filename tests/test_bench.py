@@ -46,14 +46,14 @@ def read_jsonl(path):
 def test_full_run_writes_files_passes_equality_and_report_only_reproduces(bench_env, tiny_llama_dir, tmp_path):
     out = tmp_path / "run"
     methods = ("ar,dflash,domino,ddtree,caddtree,dominotree,condadaptive,hf-ar,hf-prompt-lookup,"
-               "ddtree:drafter=domino,dominotree:budget=4")
+               "ddtree:drafter=domino,dominotree:budget=4,dominotree:lookup=4")
     rc = bench(bench_env, tiny_llama_dir, out, methods, "--temperatures", "0,1.0", "--max-samples", "2")
     assert rc == 0
     for name in REPORTS + ["results.jsonl", "run.json", "cost_model.json", "tau_vs_budget.png"]:
         assert (out / name).is_file(), name
     recs = read_jsonl(out / "results.jsonl")
     labels = ["ar", "dflash", "domino", "ddtree", "caddtree", "dominotree", "condadaptive", "hf-ar",
-              "hf-prompt-lookup", "ddtree:drafter=domino", "dominotree:budget=4"]
+              "hf-prompt-lookup", "ddtree:drafter=domino", "dominotree:budget=4", "dominotree:lookup=4"]
     assert len(recs) == 3 * 2 * len(labels)
     assert [r["method"] for r in recs[:len(labels)]] == labels          # interleaved per prompt, ar first
     for r in recs:
@@ -66,6 +66,9 @@ def test_full_run_writes_files_passes_equality_and_report_only_reproduces(bench_
     assert any(r["budgets"] for r in recs if r["method"] == "condadaptive")
     assert recs[0]["config"] == {} and recs[1]["config"]["budget"] == 16
     assert next(r for r in recs if r["method"].startswith("dominotree:"))["config"] == {"budget": 4}
+    for r in recs:   # only the lookup spec records how many of its tokens the branch alone proposed
+        assert (r["lookup_accepted"] is not None) == (r["method"] == "dominotree:lookup=4")
+        assert r["lookup_accepted"] is None or 0 <= r["lookup_accepted"] < r["new_tokens"]
     md = (out / "summary.md").read_text()
     assert "dominotree bench --methods ar,dflash," in md and "| all | dominotree |" in md and "FAILED" not in md
 
@@ -121,8 +124,10 @@ def test_method_specs_and_presets():
     assert labels == ["ar", "dominotree:budget=32,corr_topm=16", "ddtree"]
     assert [s.label for s in expand_methods(None, "ladder")] == ["ar"] + PRESETS["ladder"]
     assert len(expand_methods(None, "budget")) == 11 and len(expand_methods("ar,ddtree", "norm")) == 4
+    assert parse_method("dominotree:lookup=8").options == {"lookup": 8}
+    assert "dominotree:lookup=8" in PRESETS["lookup"] and "dominotree" in PRESETS["lookup"]
     for bad in ("nope", "dominotree:budgett=3", "dominotree:budget=0", "domino:drafter=dflash", "hf-ar:x=1",
-                "dominotree:conditioning=weird", "dominotree:budget"):
+                "dominotree:conditioning=weird", "dominotree:budget", "dominotree:lookup=-2"):
         with pytest.raises(ValueError):
             parse_method(bad)
 

@@ -26,6 +26,18 @@ def test_generate_json_matches_the_api(tiny_llama_dir, tiny_target, capsys):
     assert obj["token_ids"] == ref.token_ids and obj["text"] == ref.text
 
 
+def test_generate_with_a_lookup_branch(tiny_llama_dir, tiny_target, tmp_path, capsys):
+    import dominotree as dt
+    path = tmp_path / "d"
+    save_checkpoint(random_drafter(False), path, dtype=torch.float32)
+    code, out, _ = run_cli(capsys, "generate", "--model", str(tiny_llama_dir), "--dtype", "fp32", "--drafter",
+                           str(path), "--method", "ddtree", "--lookup", "5", "--max-new-tokens", "12", "--json", "hi hi")
+    assert code == 0
+    obj = json.loads(out)
+    assert obj["stats"]["lookup_accepted"] >= 0
+    assert obj["token_ids"] == dt.generate(tiny_target, None, "hi hi", method="ar", max_new_tokens=12).token_ids
+
+
 def test_generate_with_a_drafter_dir_streams_text(tiny_llama_dir, tmp_path, capsys):
     path = tmp_path / "d"
     save_checkpoint(random_drafter(True), path, dtype=torch.float32)
@@ -40,6 +52,7 @@ def test_generate_with_a_drafter_dir_streams_text(tiny_llama_dir, tmp_path, caps
     (["generate", "--model", "{tiny}", "--dtype", "fp32", "--method", "ar", ""], "empty prompt"),
     (["generate", "--model", "{tiny}", "--dtype", "fp32", "--method", "ar", "--max-new-tokens", "0", "hi"], "max_new_tokens"),
     (["generate", "--model", "{tiny}", "--dtype", "fp32", "--method", "dominotree", "--drafter", "/nonexistent", "hi"], "unknown drafter"),
+    (["generate", "--model", "{tiny}", "--dtype", "fp32", "--method", "ar", "--lookup", "4", "hi"], "method 'ar'"),
 ])
 def test_errors_exit_2_with_one_line(tiny_llama_dir, capsys, argv, match):
     argv = [a.replace("{tiny}", str(tiny_llama_dir)) for a in argv]

@@ -97,19 +97,22 @@ CASES = [("dflash", 0.7, 4, 1.0, False), ("dominotree", 1.0, 0, 0.7, False), ("d
          ("dominotree", 1.0, 0, 0.7, True)]
 
 
-def sample_first_tokens(target, method, temperature, top_k, top_p, n, steps=3, scripted=False):
+def sample_first_tokens(target, method, temperature, top_k, top_p, n, steps=3, scripted=False,
+                        prompt=PROMPT, stats=None, **kw):
     """Mirror drafter: siblings are the target's real alternatives, so branches get accepted.
     Scripted drafter: half of its proposals are wrong, so a biased verifier shows."""
     drafter = MirrorDrafter(random_drafter(method in ("domino", "dominotree")), target, depth=steps)
     if scripted:
-        ref, _ = reference_sequence(target, PROMPT, 12)
+        ref, _ = reference_sequence(target, prompt, 12)
         drafter = ScriptedDrafter(drafter.inner, ref, wrong_rate=0.5)
     counts = Counter()
     for i in range(n):
         run = dt.generate if scripted else run_mirror
-        r = run(target, drafter, PROMPT, method=method, max_new_tokens=steps, temperature=temperature,
-                       top_k=top_k, top_p=top_p, seed=i, budget=6, node_topk=3)
+        r = run(target, drafter, prompt, method=method, max_new_tokens=steps, temperature=temperature,
+                       top_k=top_k, top_p=top_p, seed=i, budget=6, node_topk=3, **kw)
         counts[tuple(r.token_ids[:steps])] += 1
+        if stats is not None:
+            stats.append(r.stats)
     return counts
 
 
@@ -118,6 +121,20 @@ def test_sample_and_match_keeps_the_target_distribution(tiny_target, method, tem
     n = 1000
     exact = exact_joint(tiny_target, PROMPT, 3, temperature, top_k, top_p)
     counts = sample_first_tokens(tiny_target, method, temperature, top_k, top_p, n, scripted=scripted)
+    tv, bound = tv_and_bound(counts, exact, n)
+    assert tv < bound, f"TV {tv:.3f} >= bound {bound:.3f}"
+
+
+def test_sample_and_match_with_a_lookup_branch_keeps_the_distribution(tiny_target):
+    """Scripted drafter, half wrong, and a prompt that repeats itself, so the branch gets accepted."""
+    n, base = 1000, [1, 40, 41]
+    ref, _ = reference_sequence(tiny_target, base, 8)
+    prompt = ref + base[1:]
+    exact = exact_joint(tiny_target, prompt, 3, 1.0, 0, 1.0)
+    stats = []
+    counts = sample_first_tokens(tiny_target, "ddtree", 1.0, 0, 1.0, n, scripted=True, prompt=prompt,
+                                 stats=stats, lookup=3)
+    assert sum(s["lookup_accepted"] > 0 for s in stats) > n // 10, "the branch was rarely accepted"
     tv, bound = tv_and_bound(counts, exact, n)
     assert tv < bound, f"TV {tv:.3f} >= bound {bound:.3f}"
 

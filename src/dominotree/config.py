@@ -27,6 +27,8 @@ class SpecConfig:
     builder: str = "fast"              # "fast" or "reference" tree builder
     cost_model: str | None = None      # JSON from `dominotree profile` (caddtree, condadaptive)
     max_budget: int = 64               # cap for the adaptive methods
+    lookup: int = 0                    # prompt-lookup branch of up to this many tokens per tree (0: off)
+    lookup_ngram: int = 3              # longest context suffix the lookup matches (down to 1 token)
 
     def __post_init__(self):
         self.validate()
@@ -54,6 +56,12 @@ class SpecConfig:
             raise ValueError(f"conditioning must be 'path' or 'greedy', got {self.conditioning!r}")
         if self.builder not in ("fast", "reference"):
             raise ValueError(f"builder must be 'fast' or 'reference', got {self.builder!r}")
+        if not isinstance(self.lookup, int) or self.lookup < 0:
+            raise ValueError(f"lookup must be an integer >= 0, got {self.lookup!r}")
+        if self.lookup and self.method == "ar":
+            raise ValueError("lookup adds a branch to a draft tree; method 'ar' has none (use a draft method)")
+        if not isinstance(self.lookup_ngram, int) or self.lookup_ngram < 1:
+            raise ValueError(f"lookup_ngram must be an integer >= 1, got {self.lookup_ngram!r}")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
 

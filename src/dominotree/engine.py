@@ -9,6 +9,7 @@ import torch
 
 from .config import DRAFT_METHODS, SpecConfig
 from .proposers import make_proposer
+from .trees.lookup import NgramIndex, merge_branch
 from .trees.tree import DraftTree
 from .verify import accept, pick_token
 
@@ -42,6 +43,7 @@ class GenerationStream:
         if drafter is not None and cfg.method in DRAFT_METHODS:
             drafter.check_fits(target)
         self.proposer = make_proposer(cfg, target, drafter)
+        self.lookup = NgramIndex(cfg.lookup_ngram) if cfg.lookup else None
         self.result: GenerationResult | None = None
 
     def __iter__(self):
@@ -58,6 +60,7 @@ class GenerationStream:
         uses_drafter = cfg.method != "ar"
         stage = {"draft": 0.0, "build": 0.0, "verify": 0.0, "commit": 0.0}
         accepted_per_round, tree_depths, budgets = [], [], []
+        lookup_accepted = 0      # accepted tokens that only the prompt-lookup branch proposed
         out: list[int] = []
         finish = None
 
@@ -70,6 +73,8 @@ class GenerationStream:
         root = pick_token(pre.logits[-1], cfg.temperature, cfg.top_k, cfg.top_p, gen)
         prefill_ms = (time.perf_counter() - t_start) * 1e3
         finish = self._append(out, [root], eos)
+        if self.lookup is not None:
+            self.lookup.extend(self.prompt_ids + [root])
         yield RoundEvent([root], 0)
 
         while finish is None:
@@ -83,6 +88,11 @@ class GenerationStream:
             with torch.inference_mode():
                 t0 = time.perf_counter()
                 tree, timing, info = self.proposer(root, target.length, max_depth)
+                n_new = 0
+                if self.lookup is not None:
+                    t_l = time.perf_counter()
+                    tree, n_new = merge_branch(tree, self.lookup.lookup(min(cfg.lookup, max_depth)))
+                    timing = {**timing, "build": timing.get("build", 0.0) + (time.perf_counter() - t_l) * 1e3}
                 if tree.max_depth > max_depth:
                     tree = tree.truncate_depth(max_depth)
                 t1 = time.perf_counter()
@@ -99,12 +109,15 @@ class GenerationStream:
             stage["verify"] += (t2 - t1) * 1e3
             stage["commit"] += (t3 - t2) * 1e3
             accepted_per_round.append(len(path) - 1)
+            lookup_accepted += sum(i >= len(tree) - n_new for i in path[1:])
             tree_depths.append(tree.max_depth)
             if "budget" in info:
                 budgets.append(info["budget"])
             new = tree.tokens[path[1:]].tolist() + [bonus]
             before = len(out)
             finish = self._append(out, new, eos)
+            if self.lookup is not None:
+                self.lookup.extend(new)
             root = bonus
             yield RoundEvent(out[before:], len(path) - 1)
 
@@ -117,6 +130,8 @@ class GenerationStream:
         self.result = GenerationResult(text, out, _stats(
             cfg, rounds, accepted_per_round, tree_depths, budgets, stage, prefill_ms, wall, len(out),
             finish, len(self.prompt_ids)))
+        if self.lookup is not None:
+            self.result.stats["lookup_accepted"] = lookup_accepted
 
     def _append(self, out: list[int], new: list[int], eos: set[int]) -> str | None:
         for t in new:

@@ -21,6 +21,8 @@ PRESETS = {
     "topm": [f"dominotree:corr_topm={m}" for m in (8, 16, 32, 64)] + ["dominotree:corr_topm=full"],
     "budget": [f"{m}:budget={b}" for m in ("dominotree", "ddtree") for b in (8, 16, 32, 64, 128)],
     "norm": ["dominotree:normalization=topm", "dominotree:normalization=exact"],
+    "lookup": [f"{m}{lk}" for m in ("dflash", "ddtree", "dominotree") for lk in ("", ":lookup=8")]
+    + ["hf-prompt-lookup"],
 }
 
 

@@ -84,6 +84,13 @@ def summarize(records: list[dict]) -> list[dict]:
     return rows
 
 
+def _lookup_share(group) -> float | None:
+    """Share of the emitted tokens that only the prompt-lookup branch had proposed (None: no branch)."""
+    rows = [r for r in group if r.get("lookup_accepted") is not None]
+    total = sum(r["new_tokens"] for r in rows)
+    return sum(r["lookup_accepted"] for r in rows) / total if total else None
+
+
 def _row(t, ds, m, group, by, key, ref) -> dict:
     pairs = [(by[(BASELINE,) + key(r)], r) for r in group if (BASELINE,) + key(r) in by]
     ratios = [time_per_token(a) / time_per_token(r) for a, r in pairs]
@@ -99,6 +106,7 @@ def _row(t, ds, m, group, by, key, ref) -> dict:
         "ratio_of_means": (_mean([time_per_token(a) for a, _ in pairs]) / mean_tpt) if pairs else None,
         **{f"{s}_ms": _mean([(r.get("stage_ms") or {}).get(s) for r in group]) for s in STAGES},
         "budget_mean": _mean(budgets),
+        "lookup_share": _lookup_share(group),
         "per_position": survival([a - 1 for r in group for a in r.get("accept_lengths") or []]),
         "exact": eq.count("exact"), "ties": eq.count("tie"), "diverged": eq.count("diverged"),
         "p_vs_ref": None,

@@ -13,7 +13,7 @@ from .metrics import ALL, BASELINE, STAGES, reference_method, summarize
 RESULTS, RUN_INFO = "results.jsonl", "run.json"
 CSV_COLUMNS = ["temperature", "dataset", "method", "n", "tau", "tok_s_median", "speedup", "ci_lo", "ci_hi",
                "ratio_of_means"] + [f"{s}_ms" for s in STAGES] + [
-               "budget_mean", "exact", "ties", "diverged", "p_vs_ref", "per_position"]
+               "budget_mean", "lookup_share", "exact", "ties", "diverged", "p_vs_ref", "per_position"]
 
 
 def read_run(out: Path) -> tuple[list[dict], dict]:
@@ -51,6 +51,10 @@ def _f(x, fmt=".2f") -> str:
     return "-" if x is None else format(x, fmt)
 
 
+def _pct(x) -> str:
+    return "-" if x is None else f"{100 * x:.0f}%"
+
+
 def _p(x) -> str:
     return "-" if x is None else f"{x:.2g}"
 
@@ -67,17 +71,19 @@ def markdown(rows: list[dict], records: list[dict], info: dict) -> str:
               f"{f'`{ref}`' if ref else 'dominotree (not in this run)'}. "
               "Time: the whole call, text prompt in to tokens out (for the transformers peers too). tau includes "
               "the bonus token; stage ms are per round (draft/build/verify/commit); budget: mean chosen tree "
-              "size of the adaptive methods.", ""]
+              "size of the adaptive methods; lookup: share of the emitted tokens that only a prompt-lookup branch "
+              "(`lookup=N`) had proposed.", ""]
     for t in dict.fromkeys(r["temperature"] for r in rows):
         lines += [f"## Temperature {t}", "",
                   "| dataset | method | n | tau | tok/s | speedup [95% CI] | ratio of means | "
-                  f"p vs {ref or 'dominotree'} | stage ms d/b/v/c | budget |", "|" + "---|" * 10]
+                  f"p vs {ref or 'dominotree'} | stage ms d/b/v/c | budget | lookup |", "|" + "---|" * 11]
         for r in (r for r in rows if r["temperature"] == t):
             stages = "/".join(_f(r[f"{s}_ms"], ".1f") for s in STAGES)
             ci = f"{_f(r['speedup'])}x [{_f(r['ci_lo'])}, {_f(r['ci_hi'])}]"
             lines.append(f"| {r['dataset']} | {r['method']} | {r['n']} | {_f(r['tau'])} "
                          f"| {_f(r['tok_s_median'], '.1f')} | {ci} | {_f(r['ratio_of_means'])}x "
-                         f"| {_p(r['p_vs_ref'])} | {stages} | {_f(r['budget_mean'], '.1f')} |")
+                         f"| {_p(r['p_vs_ref'])} | {stages} | {_f(r['budget_mean'], '.1f')} "
+                         f"| {_pct(r['lookup_share'])} |")
         lines.append("")
     lines += equality_section(rows, records, info)
     return "\n".join(lines) + "\n"
