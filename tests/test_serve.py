@@ -266,3 +266,13 @@ def test_page_streams_in_headless_chromium(base, tmp_path):
     assert html.unescape(re.sub(r"<[^>]+>", "", out)) == expected
     assert '<span class="d">' in out          # accepted draft tokens are highlighted
     assert "tok/s" in stats and "tau" in stats
+
+
+def test_server_wide_lookup_reaches_each_request_and_bad_values_fail_at_start(tiny_target):
+    from dominotree.serve import Server
+    srv = Server(tiny_target, random_drafter(True), "dominotree", MODEL, lookup=4)
+    body = {"messages": [{"role": "user", "content": "hi"}], "temperature": 0}
+    assert srv.parse(body, chat=True)[0].lookup == 4
+    assert srv.parse({**body, "method": "ar"}, chat=True)[0].lookup == 0     # plain decoding has no tree
+    with pytest.raises(ValueError, match="lookup"):
+        Server(tiny_target, random_drafter(True), "dominotree", MODEL, lookup=-1)

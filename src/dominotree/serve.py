@@ -132,12 +132,14 @@ class _Run:
 
 
 class Server:
-    def __init__(self, target, drafter, method: str, model_name: str):
+    def __init__(self, target, drafter, method: str, model_name: str, lookup: int = 0):
         if method not in dt.METHODS:
             raise ValueError(f"unknown method {method!r}")
         if method != "ar" and drafter is None:
             raise ValueError(f"method {method!r} needs a drafter")
+        dt.SpecConfig(method=method, lookup=lookup)     # a bad server-wide option fails at start-up
         self.target, self.drafter, self.method, self.model_name = target, drafter, method, model_name
+        self.lookup = lookup
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="dominotree-model")
         self.lock = asyncio.Lock()
         self.created = int(time.time())
@@ -176,7 +178,8 @@ class Server:
         include_usage = bool(_field(_field(body, "stream_options", "object", {}), "include_usage", "boolean"))
         try:
             cfg = dt.SpecConfig(method=method, max_new_tokens=max_tokens, temperature=float(temperature),
-                                top_p=float(_field(body, "top_p", "number", 1.0)), seed=seed, stop=stop, raw=not chat)
+                                top_p=float(_field(body, "top_p", "number", 1.0)), seed=seed, stop=stop, raw=not chat,
+                                lookup=0 if method == "ar" else self.lookup)
         except ValueError as e:
             param = str(e).split()[0].replace("max_new_tokens", "max_tokens")
             raise APIError(400, str(e).replace("max_new_tokens", "max_tokens"), param, "invalid_value") from None
@@ -308,9 +311,11 @@ class Server:
         return PAGE.replace("__MODEL__", escape(self.model_name)).replace("__OPTIONS__", options)
 
 
-def create_app(target, drafter, method: str = "dominotree", model_name: str | None = None) -> FastAPI:
-    """The ASGI app serving `target` (+ `drafter`) with `method` under the name `model_name`."""
-    srv = Server(target, drafter, method, model_name or str(target.name))
+def create_app(target, drafter, method: str = "dominotree", model_name: str | None = None,
+               lookup: int = 0) -> FastAPI:
+    """The ASGI app serving `target` (+ `drafter`) with `method` (and a prompt-lookup branch of
+    `lookup` tokens, 0: none) under the name `model_name`."""
+    srv = Server(target, drafter, method, model_name or str(target.name), lookup)
     app = FastAPI(title="dominotree", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = srv
 
@@ -359,7 +364,7 @@ def main(args) -> int:
     target = dt.load_target(args.model, dtype=args.dtype)
     drafter = None if args.method == "ar" else dt.load_drafter(args.drafter, target=target)
     name = os.path.basename(os.path.normpath(args.model)) if os.path.isdir(args.model) else args.model
-    app = create_app(target, drafter, args.method, name)
+    app = create_app(target, drafter, args.method, name, lookup=args.lookup)
     print(f"dominotree: serving {name} with {args.method} on http://{args.host}:{args.port}/", file=sys.stderr)
     uvicorn.run(app, host=args.host, port=args.port, log_level="info")
     return 0
