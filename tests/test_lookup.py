@@ -54,14 +54,14 @@ def test_index_equals_a_plain_scan(seed):
             assert idx.lookup(k) == lookup_reference(seq, k, max_n, min_n), (seq, k)
 
 
-def expected_paths(tree: DraftTree, branch: list[int]) -> set:
+def expected_paths(tree: DraftTree, branch: list[int], max_new=None) -> set:
     """Brute force: the branch's prefixes, then the best-scored other paths up to the tree's size."""
     toks, scores = tree.tokens.tolist(), tree.scores.tolist()
     score = {tuple(toks[j] for j in tree.path(i)[1:]): scores[i] for i in range(1, len(tree))}
     prefixes = [tuple(branch[:d]) for d in range(1, len(branch) + 1)]
     shared = [p for p in prefixes if p in score]
     others = sorted((p for p in score if p not in prefixes), key=lambda p: -score[p])
-    novel = [p for p in prefixes if p not in score][:len(others)]
+    novel = [p for p in prefixes if p not in score][:len(others) if max_new is None else min(max_new, len(others))]
     return set(shared) | set(novel) | set(others[:len(others) - len(novel)])
 
 
@@ -72,10 +72,11 @@ def test_merge_keeps_the_size_and_drops_the_lowest_scored_paths(seed):
     lp = torch.log_softmax(torch.randn(D, V, generator=g) * 2, -1)
     tree = build_ddtree(lp, rng.choice([1, 3, 6, 12]), root_token=9)
     branch = [rng.randrange(V) for _ in range(rng.randint(0, 6))]
-    merged, n_new = merge_branch(tree, branch)
+    max_new = rng.choice([None, 0, 1, 2, 5])
+    merged, n_new = merge_branch(tree, branch, max_new)
     check_valid(merged)
     assert len(merged) == len(tree) and int(merged.tokens[0]) == 9
-    assert paths(merged) == expected_paths(tree, branch)
+    assert paths(merged) == expected_paths(tree, branch, max_new)
     new_paths = paths(merged) - paths(tree)
     assert n_new == len(new_paths)
     # the new nodes are the last ones
@@ -94,6 +95,14 @@ def test_merge_of_a_branch_already_in_the_tree_is_the_same_tree():
     chain = DraftTree.chain(9, [4, 5, 6])
     merged, n_new = merge_branch(chain, [7, 7, 7, 7, 7])  # cut to the 3 nodes the chain can give up
     assert n_new == 3 and paths(merged) == {(7,), (7, 7), (7, 7, 7)}
+
+
+def test_merge_takes_at_most_max_new_nodes():
+    chain = DraftTree.chain(9, [4, 5, 6, 7, 8, 3], scores=[-0.1, -0.2, -0.3, -0.4, -0.5, -0.6])
+    merged, n_new = merge_branch(chain, [1, 2, 3, 4, 5], max_new=3)
+    assert n_new == 3 and len(merged) == len(chain)
+    assert paths(merged) == {(1,), (1, 2), (1, 2, 3), (4,), (4, 5), (4, 5, 6)}
+    assert merge_branch(chain, [1, 2], max_new=0)[0] is chain
 
 
 def test_bad_lookup_options_are_rejected():

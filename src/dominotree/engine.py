@@ -91,7 +91,8 @@ class GenerationStream:
                 n_new = 0
                 if self.lookup is not None:
                     t_l = time.perf_counter()
-                    tree, n_new = merge_branch(tree, self.lookup.lookup(min(cfg.lookup, max_depth)))
+                    branch = self.lookup.lookup(min(cfg.lookup, max_depth))
+                    tree, n_new = merge_branch(tree, branch, max_new=(len(tree) - 1) // 2)
                     timing = {**timing, "build": timing.get("build", 0.0) + (time.perf_counter() - t_l) * 1e3}
                 if tree.max_depth > max_depth:
                     tree = tree.truncate_depth(max_depth)

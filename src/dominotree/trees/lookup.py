@@ -3,7 +3,8 @@
 The branch is what followed the latest earlier occurrence of the context's last n-gram (longest n
 first, as in prompt-lookup decoding). It is merged into the drafter's tree: nodes the tree already
 has are shared, and each new node takes the place of the tree's lowest-scored leaf off the branch,
-so the verify pass keeps its size. Verification is unchanged (any tree is lossless), so the branch
+so the verify pass keeps its size; the branch takes at most half of the tree's nodes (measured:
+a budget-8 tree given up wholly to an 8-token branch lost more than the branch brought). Verification is unchanged (any tree is lossless), so the branch
 only decides which tokens the target gets to check: copies of the prompt (a signature, a quoted
 number) that a small drafter misses."""
 from __future__ import annotations
@@ -54,12 +55,12 @@ def lookup_reference(tokens: list[int], k: int, max_n: int = 3, min_n: int = 1) 
     return []
 
 
-def merge_branch(tree: DraftTree, branch: list[int]) -> tuple[DraftTree, int]:
+def merge_branch(tree: DraftTree, branch: list[int], max_new: int | None = None) -> tuple[DraftTree, int]:
     """The tree with the path root -> branch[0] -> branch[1] -> ... in it, at the same size.
 
     Returns the tree and how many branch nodes are new; they are its last nodes (their score is
-    the score of the node they hang from: the drafter did not score them). When the tree has
-    fewer nodes off the branch than the branch needs, the branch is cut to fit."""
+    the score of the node they hang from: the drafter did not score them). The branch is cut to at
+    most `max_new` new nodes and to what the tree has off the branch to give up."""
     kids = [dict() for _ in range(len(tree))]
     tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
     for i in range(1, len(tree)):
@@ -73,7 +74,8 @@ def merge_branch(tree: DraftTree, branch: list[int]) -> tuple[DraftTree, int]:
         shared.add(nxt)
     else:
         return tree, 0
-    novel = [int(t) for t in branch[used:]][:len(tree) - len(shared)]
+    room = len(tree) - len(shared) if max_new is None else min(max_new, len(tree) - len(shared))
+    novel = [int(t) for t in branch[used:]][:max(room, 0)]
     if not novel:
         return tree, 0
 
