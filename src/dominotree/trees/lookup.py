@@ -81,7 +81,7 @@ def merge_branch(tree: DraftTree, branch: list[int], max_new: int | None = None)
 
     # drop the lowest-scored leaves off the branch, one per new node (a parent whose last child
     # went becomes a leaf itself); ties drop the later node first
-    n_kids = [len(k) for k in _children(parents)]
+    n_kids = [len(k) for k in tree.children()]
     scores = tree.scores.tolist()
     heap = [(scores[i], -i) for i in range(1, len(tree)) if n_kids[i] == 0 and i not in shared]
     heapq.heapify(heap)
@@ -107,10 +107,3 @@ def merge_branch(tree: DraftTree, branch: list[int], max_new: int | None = None)
                        torch.tensor(new_scores, dtype=torch.float32))
     return merged, len(novel)
 
-
-def _children(parents: list[int]) -> list[list[int]]:
-    kids: list[list[int]] = [[] for _ in parents]
-    for i, p in enumerate(parents):
-        if p >= 0:
-            kids[p].append(i)
-    return kids
