@@ -26,6 +26,22 @@ def test_generate_json_matches_the_api(tiny_llama_dir, tiny_target, capsys):
     assert obj["token_ids"] == ref.token_ids and obj["text"] == ref.text
 
 
+def test_no_pack_flag_loads_plain_modules(tiny_llama_dir, capsys, monkeypatch):
+    import dominotree as dt
+    seen = []
+    real = dt.load_target
+    monkeypatch.setattr(dt, "load_target", lambda *a, **k: seen.append(real(*a, **k)) or seen[-1])
+    outs = []
+    for extra in ([], ["--no-pack"]):
+        code, out, _ = run_cli(capsys, "generate", "--model", str(tiny_llama_dir), "--dtype", "bf16", "--method", "ar",
+                               "--max-new-tokens", "12", "--json", *extra, "hello world")
+        assert code == 0
+        outs.append(json.loads(out)["token_ids"])
+    from dominotree.packed import packing_available
+    assert [t.packed for t in seen] == [packing_available(), False]
+    assert outs[0] == outs[1]
+
+
 def test_generate_with_a_lookup_branch(tiny_llama_dir, tiny_target, tmp_path, capsys):
     import dominotree as dt
     path = tmp_path / "d"

@@ -361,8 +361,9 @@ def main(args) -> int:
     if args.method != "ar" and args.drafter is None:
         dflash = args.method in ("dflash", "ddtree", "caddtree")   # the same defaults as `generate`
         args.drafter = "smollm2-135m-dflash" if dflash else "smollm2-135m-domino"
-    target = dt.load_target(args.model, dtype=args.dtype)
-    drafter = None if args.method == "ar" else dt.load_drafter(args.drafter, target=target)
+    pack = not args.no_pack
+    target = dt.load_target(args.model, dtype=args.dtype, pack=pack)
+    drafter = None if args.method == "ar" else dt.load_drafter(args.drafter, target=target, pack=pack)
     name = os.path.basename(os.path.normpath(args.model)) if os.path.isdir(args.model) else args.model
     app = create_app(target, drafter, args.method, name, lookup=args.lookup)
     print(f"dominotree: serving {name} with {args.method} on http://{args.host}:{args.port}/", file=sys.stderr)

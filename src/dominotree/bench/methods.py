@@ -121,7 +121,8 @@ def expand_methods(methods: str | None, preset: str | None) -> list[MethodSpec]:
 def run_hf_peer(target, spec: MethodSpec, text: str, temperature: float, max_new_tokens: int,
                 seed: int) -> tuple[list[int], float]:
     """One transformers `generate` call (plain, or prompt lookup) on the chat-templated prompt; the new
-    tokens up to EOS and the wall seconds (prompt encoding included, as in `dt.generate`)."""
+    tokens up to EOS and the wall seconds (prompt encoding included, as in `dt.generate`). The peers
+    run the stock transformers modules, without the packed weights dominotree's own methods use."""
     eos = sorted(target.eos_token_ids)
     pad = getattr(target.tokenizer, "pad_token_id", None)
     kw = dict(do_sample=temperature > 0, temperature=temperature if temperature > 0 else 1.0, top_k=0, top_p=1.0,
@@ -131,7 +132,8 @@ def run_hf_peer(target, spec: MethodSpec, text: str, temperature: float, max_new
     torch.manual_seed(seed)
     t0 = time.perf_counter()
     ids = torch.tensor([target.encode_prompt(text)], device=target.device)
-    out = target.model.generate(ids, attention_mask=torch.ones_like(ids), **kw)
+    with target.stock():
+        out = target.model.generate(ids, attention_mask=torch.ones_like(ids), **kw)
     wall = time.perf_counter() - t0
     new = out[0, ids.shape[1]:].tolist()
     cut = next((i + 1 for i, t in enumerate(new) if t in target.eos_token_ids), len(new))

@@ -40,6 +40,7 @@ def add_bench_parser(sub) -> None:
     b.add_argument("--out", default=None, help="output directory")
     b.add_argument("--model", default="smollm2-135m", help="named target or local HF model dir")
     b.add_argument("--dtype", default=None, choices=["bf16", "fp32", "fp16"], help="target dtype (default bf16)")
+    b.add_argument("--no-pack", action="store_true", help="plain transformers linears for every method (no pre-packed bf16 weights)")
     b.add_argument("--dflash-drafter", default=DEFAULT_DRAFTERS["dflash"], help="for dflash, ddtree, caddtree")
     b.add_argument("--domino-drafter", default=DEFAULT_DRAFTERS["domino"], help="for domino, dominotree, condadaptive")
     b.add_argument("--cost-model", default=None, help="cost model JSON for caddtree/condadaptive (default: "
@@ -73,15 +74,16 @@ def main(args) -> int:
     prompts = load_prompts(args)
 
     import dominotree as dt
-    target = dt.load_target(args.model, dtype=args.dtype)
+    target = dt.load_target(args.model, dtype=args.dtype, pack=not args.no_pack)
     if args.build_time:
         return build_time(args, target, prompts)
     names = {"dflash": args.dflash_drafter, "domino": args.domino_drafter}
-    drafters = {k: dt.load_drafter(names[k], target=target) for k in dict.fromkeys(s.drafter for s in specs) if k}
+    drafters = {k: dt.load_drafter(names[k], target=target, pack=not args.no_pack) for k in dict.fromkeys(s.drafter for s in specs) if k}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     cost_model = ensure_cost_model(args, target, drafters, specs, out)
-    info = {"command": command_line(args), "model": args.model, "cost_model": cost_model, "tie_tol": args.tie_tol,
+    info = {"command": command_line(args), "model": args.model, "packed": target.packed,
+            "cost_model": cost_model, "tie_tol": args.tie_tol,
             **{f"{k}_drafter": names[k] for k in drafters}}
     (out / RUN_INFO).write_text(json.dumps(info, indent=1) + "\n")
 
@@ -96,7 +98,7 @@ def main(args) -> int:
 def build_time(args, target, prompts) -> int:
     import dominotree as dt
     from .build_time import record_drafts, time_builders
-    drafter = dt.load_drafter(args.domino_drafter, target=target)
+    drafter = dt.load_drafter(args.domino_drafter, target=target, pack=not args.no_pack)
     drafts = record_drafts(target, drafter, [p.text for p in prompts], args.max_new_tokens, args.budget)
     res = {"command": command_line(args), **time_builders(target, drafter, drafts, budget=args.budget)}
     out = Path(args.out)

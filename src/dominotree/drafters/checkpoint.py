@@ -8,6 +8,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from ..packed import pack_linears
 from .dflash import DFlashBackbone, DFlashDrafter, DrafterConfig
 from .domino import DominoDrafter, DominoHead
 
@@ -25,7 +26,7 @@ def build_drafter(cfg: DrafterConfig, name: str = "drafter"):
     return DFlashDrafter(backbone, name)
 
 
-def load_checkpoint(path: Path, dtype: torch.dtype | None = None, name: str | None = None):
+def load_checkpoint(path: Path, dtype: torch.dtype | None = None, name: str | None = None, pack: bool = True):
     path = Path(path)
     cfg_file, weights = path / "config.json", path / "model.safetensors"
     if not cfg_file.is_file():
@@ -52,6 +53,9 @@ def load_checkpoint(path: Path, dtype: torch.dtype | None = None, name: str | No
     _load_state(drafter, state, weights)
     if dtype is not None:
         drafter.to(dtype=dtype)
+    for module in (drafter.backbone, getattr(drafter, "head", None)):
+        if pack and module is not None:
+            pack_linears(module)   # bf16 on CPU only; same logits, ~8% off a draft step
     return drafter
 
 

@@ -1,0 +1,169 @@
+"""Pre-packed bf16 linears: the same outputs as the plain path, lossless decoding, clean fallbacks."""
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import dominotree as dt
+from dominotree.packed import MAX_PACKED_ROWS, PackedLinear, is_packed, pack_linears, packing, packing_available
+from dominotree.trees.tree import DraftTree
+
+pytestmark = pytest.mark.skipif(not packing_available(), reason="this torch build has no oneDNN weight packing")
+
+
+@pytest.fixture(scope="module")
+def bf16_pair(tiny_llama_dir):
+    plain = dt.load_target(str(tiny_llama_dir), dtype=torch.bfloat16, pack=False)
+    packed = dt.load_target(str(tiny_llama_dir), dtype=torch.bfloat16)
+    return plain, packed
+
+
+def _close(a, b):
+    # oneDNN runs the same bf16 kernel on both paths (bit-identical on the CPUs measured); allow
+    # one bf16 rounding step in case another CPU blocks the reduction differently.
+    torch.testing.assert_close(a.float(), b.float(), rtol=1e-2, atol=1e-2)
+
+
+def test_load_target_packs_bf16_only(tiny_llama_dir, bf16_pair):
+    plain, packed = bf16_pair
+    assert packed.packed and not plain.packed
+    n_linear = sum(type(m) is nn.Linear for m in plain.model.modules())
+    assert sum(isinstance(m, PackedLinear) for m in packed.model.modules()) == n_linear > 0
+    assert not dt.load_target(str(tiny_llama_dir), dtype=torch.float32).packed
+    # parameters and their names are untouched
+    sp, sq = plain.model.state_dict(), packed.model.state_dict()
+    assert sp.keys() == sq.keys() and all(torch.equal(sp[k], sq[k]) for k in sp)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 17, MAX_PACKED_ROWS + 5])
+def test_packed_linear_matches_plain(rows):
+    torch.manual_seed(0)
+    lin = nn.Linear(64, 200, bias=rows % 2 == 1).to(torch.bfloat16)
+    ref = nn.Linear(64, 200, bias=lin.bias is not None).to(torch.bfloat16)
+    ref.load_state_dict(lin.state_dict())
+    assert pack_linears(lin) == 1
+    x = torch.randn(2, rows, 64, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        _close(lin(x), ref(x))
+
+
+def test_weight_changed_in_place_is_repacked():
+    torch.manual_seed(0)
+    lin = nn.Linear(32, 48, bias=False).to(torch.bfloat16)
+    pack_linears(lin)
+    x = torch.randn(4, 32, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        before = lin(x)
+    with torch.no_grad():
+        lin.weight.mul_(-2)
+    with torch.inference_mode():
+        after = lin(x)
+        _close(after, F.linear(x, lin.weight))
+    _close(after, -2 * before)
+
+
+def test_deepcopy_and_pickle_repack():
+    import copy
+    import pickle
+    torch.manual_seed(0)
+    lin = nn.Linear(32, 48, bias=False).to(torch.bfloat16)
+    pack_linears(lin)
+    x = torch.randn(4, 32, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        ref = lin(x)
+        for clone in (copy.deepcopy(lin), pickle.loads(pickle.dumps(lin))):
+            assert isinstance(clone, PackedLinear) and clone.weight.data_ptr() != lin.weight.data_ptr()
+            _close(clone(x), ref)
+    assert isinstance(copy.deepcopy(lin).float()(x.float()), torch.Tensor)
+
+
+def test_grad_falls_back_to_plain_path():
+    torch.manual_seed(0)
+    lin = nn.Linear(16, 8, bias=False).to(torch.bfloat16)
+    pack_linears(lin)
+    x = torch.randn(3, 16, dtype=torch.bfloat16, requires_grad=True)
+    lin(x).float().sum().backward()
+    assert lin.weight.grad is not None and x.grad is not None
+
+
+def test_verify_logits_and_features_match_plain(bf16_pair):
+    plain, packed = bf16_pair
+    torch.manual_seed(1)
+    prompt = torch.randint(4, 96, (30,))
+    tree = DraftTree.from_lists([5, 6, 7, 8, 9, 10], [-1, 0, 0, 1, 1, 3])
+    outs = []
+    for t in (plain, packed):
+        t.set_taps([1, 2])
+        pre = t.prefill(prompt)
+        ver = t.verify(tree)
+        t.commit([0, 1])
+        outs.append((pre, ver))
+    (p_pre, p_ver), (q_pre, q_ver) = outs
+    _close(p_pre.logits, q_pre.logits)
+    _close(p_ver.logits, q_ver.logits)
+    _close(p_ver.features, q_ver.features)
+    assert torch.equal(p_ver.logits.argmax(-1), q_ver.logits.argmax(-1))
+
+
+@pytest.mark.parametrize("method", ["ddtree", "dominotree"])
+def test_lossless_on_a_packed_target(bf16_pair, method):
+    from conftest import random_drafter
+    _, packed = bf16_pair
+    drafter = random_drafter(domino=True, seed=3).to(dtype=torch.bfloat16)
+    prompt = "hello world the w7 w8"
+    ar = dt.generate(packed, None, prompt, method="ar", max_new_tokens=40, temperature=0)
+    spec = dt.generate(packed, drafter, prompt, method=method, max_new_tokens=40, temperature=0, budget=8)
+    assert spec.token_ids == ar.token_ids
+
+
+def test_stock_switches_to_plain_path_and_restores(bf16_pair, monkeypatch):
+    _, packed = bf16_pair
+    calls = []
+    real = F.linear
+    monkeypatch.setattr(F, "linear", lambda *a, **k: calls.append(1) or real(*a, **k))
+    x = torch.randint(4, 96, (1, 5))
+    with torch.inference_mode():
+        packed.model(x)
+        assert not calls                       # packed: no plain F.linear for the layers
+        with pytest.raises(RuntimeError):
+            with packed.stock():
+                packed.model(x)
+                raise RuntimeError("boom")
+        assert calls                           # inside stock(): the plain transformers path
+        calls.clear()
+        packed.model(x)
+        assert not calls                       # restored after the exception
+
+
+def test_fp32_module_is_not_packed():
+    assert pack_linears(nn.Linear(8, 8)) == 0
+    assert not is_packed(nn.Sequential(nn.Linear(8, 8)))
+    lin = nn.Linear(8, 8).to(torch.bfloat16)
+    pack_linears(lin)
+    with packing(lin, False):
+        assert not lin.packed_enabled
+    assert lin.packed_enabled
+
+
+def test_bf16_drafter_checkpoint_loads_packed(tmp_path, bf16_pair):
+    from conftest import random_drafter
+    from dominotree.drafters import save_checkpoint
+    from dominotree.drafters.checkpoint import load_checkpoint
+    _, target = bf16_pair
+    save_checkpoint(random_drafter(domino=True, seed=4), tmp_path / "d", dtype=torch.bfloat16)
+    packed = load_checkpoint(tmp_path / "d")
+    plain = load_checkpoint(tmp_path / "d")
+    for m in plain.backbone.modules():
+        if isinstance(m, PackedLinear):
+            m.packed_enabled = False
+    assert is_packed(packed.backbone) and is_packed(packed.head)
+    target.set_taps(packed.target_layer_ids)
+    pre = target.prefill(torch.randint(4, 96, (20,)))
+    outs = []
+    for d in (plain, packed):
+        d.reset()
+        d.add_context(pre.features, 0)
+        outs.append(d.draft(5, 20, target))
+    _close(outs[0].base_logits, outs[1].base_logits)
+    _close(outs[0].hidden, outs[1].hidden)
+    assert not is_packed(load_checkpoint(tmp_path / "d", dtype=torch.float32).backbone)
