@@ -126,10 +126,38 @@ def test_method_specs_and_presets():
     assert len(expand_methods(None, "budget")) == 11 and len(expand_methods("ar,ddtree", "norm")) == 4
     assert parse_method("dominotree:lookup=8").options == {"lookup": 8}
     assert "dominotree:lookup=8" in PRESETS["lookup"] and "dominotree" in PRESETS["lookup"]
+    assert not parse_method("ar:pack=0").packed and parse_method("dominotree:pack=1,budget=8").packed
+    assert parse_method("dominotree:pack=0,budget=8").options == {"budget": 8}
     for bad in ("nope", "dominotree:budgett=3", "dominotree:budget=0", "domino:drafter=dflash", "hf-ar:x=1",
-                "dominotree:conditioning=weird", "dominotree:budget", "dominotree:lookup=-2"):
+                "dominotree:conditioning=weird", "dominotree:budget", "dominotree:lookup=-2", "ar:budget=4",
+                "hf-ar:pack=0", "dominotree:pack=2"):
         with pytest.raises(ValueError):
             parse_method(bad)
+
+
+def test_pack_0_specs_run_on_the_plain_path(bench_env, tiny_llama_dir, tmp_path, monkeypatch):
+    import dominotree.bench.runner as runner
+    real, seen = runner.packing, []
+
+    def spy(module, enabled):
+        seen.append((type(module).__name__, enabled))
+        return real(module, enabled)
+    monkeypatch.setattr(runner, "packing", spy)
+    out = tmp_path / "pack"
+    rc = cli_main(["bench", "--model", str(tiny_llama_dir), "--dtype", "bf16", "--prompts-file",
+                   str(bench_env / "prompts.jsonl"), "--domino-drafter", str(bench_env / "domino"), "--methods",
+                   "ar:pack=0,dominotree,dominotree:pack=0", "--out", str(out), "--max-new-tokens", "8",
+                   "--max-samples", "1", "--warmup", "0"])
+    assert rc == 0
+    recs = read_jsonl(out / "results.jsonl")
+    assert [r["method"] for r in recs[:4]] == ["ar", "ar:pack=0", "dominotree", "dominotree:pack=0"]
+    assert all(r["equality"]["match"] in ("exact", "tie") for r in recs if r["method"] != "ar")
+    # per prompt: ar:pack=0 switches the target off, dominotree:pack=0 the target, backbone and head
+    n = len(recs) // 4
+    assert seen.count(("LlamaForCausalLM", False)) == 2 * n and seen.count(("DFlashBackbone", False)) == n
+    assert seen.count(("DominoHead", False)) == n and all(not enabled for _, enabled in seen)
+    from dominotree.packed import packing_available
+    assert json.loads((out / "run.json").read_text())["packed"] == packing_available()
 
 
 def test_bad_flags_exit_2_without_a_traceback(capsys):

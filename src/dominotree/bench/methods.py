@@ -1,7 +1,8 @@
 """Method specs for the benchmark: `name[:key=value,...]`, presets, and the Hugging Face peers.
 
 A spec's label is how it appears in every table; its options override the run-wide ones
-(`--budget`). `drafter=dflash|domino` picks the drafter; the rest are SpecConfig fields."""
+(`--budget`). `drafter=dflash|domino` picks the drafter, `pack=0` runs the method (`ar` too) on
+the plain linears instead of the pre-packed ones; the rest are SpecConfig fields."""
 from __future__ import annotations
 
 import time
@@ -32,6 +33,7 @@ class MethodSpec:
     method: str                                  # an engine method or an HF peer
     options: dict = field(default_factory=dict)  # SpecConfig overrides
     drafter: str | None = None                   # "dflash" | "domino" | None (ar, peers)
+    packed: bool = True                          # False: run on the plain linears (`pack=0`, see packed.py)
 
     @property
     def is_peer(self) -> bool:
@@ -66,23 +68,27 @@ def parse_method(spec: str) -> MethodSpec:
     name, _, rest = spec.partition(":")
     if name not in ALL_METHODS:
         raise ValueError(f"unknown method {name!r} in {spec!r}; choose from {', '.join(ALL_METHODS)}")
-    options, drafter = {}, None
+    options, drafter, packed = {}, None, True
     allowed = {f.name for f in fields(SpecConfig)} - RUN_WIDE
     for item in filter(None, (s.strip() for s in rest.split(","))):
         key, eq, val = item.partition("=")
         key = key.strip()
         if not eq:
             raise ValueError(f"method option {item!r} in {spec!r} is not key=value")
-        if name in HF_PEERS or name == "ar":
-            raise ValueError(f"method {name!r} takes no options (got {spec!r})")
-        if key == "drafter":
+        if name in HF_PEERS or (name == "ar" and key != "pack"):
+            raise ValueError(f"method {name!r} takes no options{' but pack' if name == 'ar' else ''} (got {spec!r})")
+        if key == "pack":
+            if val.strip().lower() not in ("0", "1", "false", "true"):
+                raise ValueError(f"pack must be 0 or 1 in {spec!r}")
+            packed = val.strip().lower() in ("1", "true")
+        elif key == "drafter":
             if val.strip() not in ("dflash", "domino"):
                 raise ValueError(f"drafter must be dflash or domino in {spec!r}")
             drafter = val.strip()
         elif key in allowed:
             options[key] = _value(key, val)
         else:
-            raise ValueError(f"unknown option {key!r} in {spec!r}; choose from drafter, {', '.join(sorted(allowed))}")
+            raise ValueError(f"unknown option {key!r} in {spec!r}; choose from drafter, pack, {', '.join(sorted(allowed))}")
     if name != "ar" and name not in HF_PEERS:
         drafter = drafter or ("domino" if name in DOMINO_METHODS else "dflash")
         if name in DOMINO_METHODS and drafter != "domino":
@@ -91,7 +97,7 @@ def parse_method(spec: str) -> MethodSpec:
             SpecConfig(method=name, **options)
         except TypeError as e:
             raise ValueError(f"bad option value in {spec!r}: {e}") from e
-    return MethodSpec(spec, name, options, drafter)
+    return MethodSpec(spec, name, options, drafter, packed)
 
 
 def expand_methods(methods: str | None, preset: str | None) -> list[MethodSpec]:

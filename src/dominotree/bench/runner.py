@@ -6,12 +6,14 @@ reports are derived from that file alone (`--report-only DIR` re-derives them by
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import shlex
 import sys
 import time
 from pathlib import Path
 
+from ..packed import packing
 from .datasets import DATASETS, DEFAULT_DATASETS, Prompt, load_dataset
 from .methods import ALL_METHODS, PRESETS, expand_methods, run_hf_peer
 from .metrics import BASELINE
@@ -191,10 +193,16 @@ def run_one(target, drafters, spec, prompt: Prompt, temperature: float, cost_mod
         tokens, wall = run_hf_peer(target, spec, prompt.text, temperature, n, args.seed)
         finish = "stop" if tokens and tokens[-1] in target.eos_token_ids else "length"
     else:
-        t0 = time.perf_counter()
-        res = dt.generate(target, drafters.get(spec.drafter), prompt.text, method=spec.method, max_new_tokens=n,
-                          temperature=temperature, seed=args.seed, **opts)
-        wall = time.perf_counter() - t0
+        drafter = drafters.get(spec.drafter)
+        with contextlib.ExitStack() as stack:
+            if not spec.packed:   # the same modules on their plain path: an interleaved A/B of packing
+                for module in (target.model, getattr(drafter, "backbone", None), getattr(drafter, "head", None)):
+                    if module is not None:
+                        stack.enter_context(packing(module, False))
+            t0 = time.perf_counter()
+            res = dt.generate(target, drafter, prompt.text, method=spec.method, max_new_tokens=n,
+                              temperature=temperature, seed=args.seed, **opts)
+            wall = time.perf_counter() - t0
         tokens, stats, finish = res.token_ids, res.stats, res.stats["finish_reason"]
     return {
         "question_id": prompt.question_id, "category": prompt.category, "dataset": prompt.dataset,
