@@ -30,9 +30,9 @@ class ScriptedDrafter:
     def __getattr__(self, item):
         return getattr(self.inner, item)
 
-    def draft(self, root, start, target):
+    def draft(self, root, start, target, depths=None):
         self.calls += 1
-        out = self.inner.draft(root, start, target)          # exercises the real backbone path
+        out = self.inner.draft(root, start, target, depths)  # exercises the real backbone path
         D, V = out.base_logits.shape
         g = torch.Generator().manual_seed(self.seed * 7919 + start)
         logits = torch.randn(D, V, generator=g)
@@ -62,8 +62,8 @@ class MirrorDrafter(ScriptedDrafter):
         self.target_model = target.model
         self.history: list[int] = []
 
-    def draft(self, root, start, target):
-        out = self.inner.draft(root, start, target)
+    def draft(self, root, start, target, depths=None):
+        out = self.inner.draft(root, start, target, depths)
         assert self.history and self.history[-1] == root and len(self.history) == start + 1
         seq, rows = list(self.history), []
         with torch.inference_mode():

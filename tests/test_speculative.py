@@ -110,3 +110,34 @@ def test_drafter_that_does_not_fit_is_rejected(tiny_target):
     cfg.target_layer_ids = [1, 9]
     with pytest.raises(DrafterLoadError, match="beyond the target"):
         run(tiny_target, build_drafter(cfg), [1, 5], "domino")
+
+
+@pytest.mark.parametrize("method,budget", [("dflash", 16), ("domino", 16), ("ddtree", 3), ("dominotree", 3),
+                                           ("dominotree", 5), ("caddtree", 16), ("condadaptive", 16)])
+def test_drafts_keep_only_the_depths_a_tree_can_use(tiny_target, tmp_path, method, budget):
+    """The proposer asks the LM head for min(depth, budget) rows; its trees equal those built from
+    the full draft, and the full draft's extra rows are really dropped."""
+    from dominotree.config import SpecConfig
+    from dominotree.proposers import make_proposer
+    from dominotree.trees import builders
+    from dominotree.trees.caddtree import CostModel
+    cost = tmp_path / "cost.json"
+    CostModel(c_draft=5.0, curves={0: [10.0 + 0.5 * n for n in range(70)]}).save(cost)
+    cfg = SpecConfig(method=method, budget=budget, cost_model=str(cost), max_budget=6)
+    drafter = random_drafter(method in ("domino", "dominotree", "condadaptive"), seed=2)
+    tiny_target.set_taps(drafter.target_layer_ids)
+    prompt = torch.tensor([1, 11, 12, 13, 14])
+    pre = tiny_target.prefill(prompt)
+    drafter.reset()
+    drafter.add_context(pre.features, 0)
+    max_depth = 7
+    need = builders.depths_needed(cfg, drafter, max_depth)
+    expect = min(drafter.num_depths, max_depth, budget if method in ("ddtree", "dominotree") else 99,
+                 6 if method in ("caddtree", "condadaptive") else 99)
+    assert need == expect
+    tree, _, _ = make_proposer(cfg, tiny_target, drafter)(14, len(prompt), max_depth)
+    full = drafter.draft(14, len(prompt), tiny_target)
+    assert drafter.draft(14, len(prompt), tiny_target, depths=need).base_logits.shape[0] == need
+    ref, _ = builders.make_builder(cfg, tiny_target, drafter)(full, 14, len(prompt), max_depth)
+    assert torch.equal(tree.tokens, ref.tokens) and torch.equal(tree.parents, ref.parents)
+    tiny_target.rollback()

@@ -107,6 +107,8 @@ def sample_first_tokens(target, method, temperature, top_k, top_p, n, steps=3, s
         drafter = ScriptedDrafter(drafter.inner, ref, wrong_rate=0.5)
     counts = Counter()
     for i in range(n):
+        if scripted:
+            drafter.seed = i   # which proposals are wrong varies from run to run, not only by position
         run = dt.generate if scripted else run_mirror
         r = run(target, drafter, prompt, method=method, max_new_tokens=steps, temperature=temperature,
                        top_k=top_k, top_p=top_p, seed=i, budget=6, node_topk=3, **kw)

@@ -17,7 +17,7 @@ def make_proposer(cfg: SpecConfig, target, drafter):
 
     def propose(root: int, start: int, max_depth: int):
         t0 = time.perf_counter()
-        draft = drafter.draft(root, start, target)
+        draft = drafter.draft(root, start, target, depths=builders.depths_needed(cfg, drafter, max_depth))
         t1 = time.perf_counter()
         tree, info = build(draft, root, start, max_depth)
         t2 = time.perf_counter()

@@ -237,7 +237,7 @@ class DFlashBackbone(nn.Module):
 @dataclass
 class DraftOutput:
     hidden: torch.Tensor       # [D, h]: backbone output for depths 1..D
-    base_logits: torch.Tensor  # [D, V] float32
+    base_logits: torch.Tensor  # [D', V] float32 for depths 1..D' (D' <= D: `draft(depths=)`)
 
 
 class DFlashDrafter:
@@ -306,7 +306,10 @@ class DFlashDrafter:
         return self.backbone(emb, pos, self._ctx_kv, anchor_ctx=self._last_ctx)[0]
 
     @torch.inference_mode()
-    def draft(self, root: int, start: int, target) -> DraftOutput:
+    def draft(self, root: int, start: int, target, depths: int | None = None) -> DraftOutput:
+        """The block's outputs; base logits for the first `depths` depths only (the LM head is
+        half a draft's cost, and a tree of B nodes is never deeper than B)."""
         h = self.block_hidden(root, start, target)
         h = h if self.config.shift_label else h[1:]
-        return DraftOutput(h, target.lm_head(h.to(target.dtype)).float())
+        rows = h if depths is None else h[:max(1, depths)]
+        return DraftOutput(h, target.lm_head(rows.to(target.dtype)).float())

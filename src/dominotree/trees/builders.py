@@ -24,6 +24,18 @@ def load_cost_model(cfg: SpecConfig, target) -> CostModel:
     return CostModel.load(path)
 
 
+def depths_needed(cfg: SpecConfig, drafter, max_depth: int) -> int:
+    """How many depths of base logits a method's tree can use: a best-first tree of B nodes is at
+    most B deep, so the LM head rows past that are never read."""
+    cap = drafter.num_depths if cfg.max_depth is None else min(cfg.max_depth, drafter.num_depths)
+    depth = min(cap, max_depth)
+    if cfg.method in ("ddtree", "dominotree"):
+        return min(depth, cfg.budget)
+    if cfg.method in ("caddtree", "condadaptive"):
+        return min(depth, cfg.max_budget)
+    return depth
+
+
 def make_builder(cfg: SpecConfig, target, drafter):
     method = cfg.method
     depth_cap = drafter.num_depths if cfg.max_depth is None else min(cfg.max_depth, drafter.num_depths)
