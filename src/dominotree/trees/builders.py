@@ -24,11 +24,15 @@ def load_cost_model(cfg: SpecConfig, target) -> CostModel:
     return CostModel.load(path)
 
 
+def depth_cap(cfg: SpecConfig, drafter) -> int:
+    """The deepest draft depth a request uses: the drafter's block, or `max_depth` if smaller."""
+    return drafter.num_depths if cfg.max_depth is None else min(cfg.max_depth, drafter.num_depths)
+
+
 def depths_needed(cfg: SpecConfig, drafter, max_depth: int) -> int:
     """How many depths of base logits a method's tree can use: a best-first tree of B nodes is at
     most B deep, so the LM head rows past that are never read."""
-    cap = drafter.num_depths if cfg.max_depth is None else min(cfg.max_depth, drafter.num_depths)
-    depth = min(cap, max_depth)
+    depth = min(depth_cap(cfg, drafter), max_depth)
     if cfg.method in ("ddtree", "dominotree"):
         return min(depth, cfg.budget)
     if cfg.method in ("caddtree", "condadaptive"):
@@ -38,7 +42,7 @@ def depths_needed(cfg: SpecConfig, drafter, max_depth: int) -> int:
 
 def make_builder(cfg: SpecConfig, target, drafter):
     method = cfg.method
-    depth_cap = drafter.num_depths if cfg.max_depth is None else min(cfg.max_depth, drafter.num_depths)
+    cap = depth_cap(cfg, drafter)
     needs_head = method in ("domino", "dominotree", "condadaptive")
     if needs_head and not hasattr(drafter, "head"):
         raise ValueError(f"method {method!r} needs a Domino drafter (with a correction head); "
@@ -51,7 +55,7 @@ def make_builder(cfg: SpecConfig, target, drafter):
         tree_fn = build_dominotree_fast if cfg.builder == "fast" else build_dominotree
 
     def build(draft, root: int, start: int, max_depth: int):
-        depth = min(depth_cap, max_depth)
+        depth = min(cap, max_depth)
         if method == "dflash":
             return dflash_chain(draft.base_logits, root, depth), {}
         if method == "domino":

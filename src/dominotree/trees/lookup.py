@@ -4,9 +4,10 @@ The branch is what followed the latest earlier occurrence of the context's last 
 first, as in prompt-lookup decoding). It is merged into the drafter's tree: nodes the tree already
 has are shared, and each new node takes the place of the tree's lowest-scored leaf off the branch,
 so the verify pass keeps its size; the branch takes at most half of the tree's nodes (measured:
-a budget-8 tree given up wholly to an 8-token branch lost more than the branch brought). Verification is unchanged (any tree is lossless), so the branch
-only decides which tokens the target gets to check: copies of the prompt (a signature, a quoted
-number) that a small drafter misses."""
+a budget-8 tree given up wholly to an 8-token branch lost more than the branch brought).
+Verification is unchanged (any tree is lossless), so the branch only decides which tokens the
+target gets to check: copies of the prompt (a signature, a quoted number) that a small drafter
+misses."""
 from __future__ import annotations
 
 import heapq
