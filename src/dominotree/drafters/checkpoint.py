@@ -53,7 +53,7 @@ def load_checkpoint(path: Path, dtype: torch.dtype | None = None, name: str | No
     _load_state(drafter, state, weights)
     if dtype is not None:
         drafter.to(dtype=dtype)
-    if pack:   # bf16 on CPU only; same logits, ~8% off a draft step
+    if pack:   # bf16 on CPU only; the same logits
         pack_linears(drafter.backbone)
         if hasattr(drafter, "head"):
             pack_linears(drafter.head)
