@@ -14,7 +14,7 @@ from .precision import CHOICES, resolve_precision
 # Both drafters use shift_label (block position d predicts depth d + 1: 16 depths per block), so the
 # Domino run can start from the trained DFlash backbone.
 RECIPE = dict(layer_ids=[1, 14, 27], num_layers=2, block_size=16, emb_dim=128, gru_hidden_dim=256,
-              shift_label=True, init_layers="random", gamma=7.0, topk=0, distill=0.0, dflash_steps=2000,
+              prefix_len=1, shift_label=True, init_layers="random", gamma=7.0, topk=0, distill=0.0, dflash_steps=2000,
               domino_steps=700, seqs_per_step=8, anchors_per_seq=12)
 
 # `train all`: the stages behind the bundled drafters, in order (run dir, trainer, overrides, start).
@@ -110,6 +110,9 @@ def add_train_parser(sub) -> None:
             r.add_argument("--head-from", default=None, help="the head's starting weights from this Domino checkpoint")
             r.add_argument("--emb-dim", type=int, default=RECIPE["emb_dim"])
             r.add_argument("--gru-hidden-dim", type=int, default=RECIPE["gru_hidden_dim"])
+            r.add_argument("--prefix-len", type=int, default=RECIPE["prefix_len"],
+                           help="pure_draft_prefix_len: depths <= N use the base logits only (1: the published "
+                                "config; 0: the head corrects depth 1 too, from the GRU state of the root)")
 
     e = ts.add_parser("eval", help="held-out tau of drafters on the benchmark prompts (T=0)")
     e.add_argument("--model", default="smollm2-135m")
@@ -177,7 +180,8 @@ def run_train(args, name: str, target=None):
         gamma=getattr(args, "gamma", RECIPE["gamma"]), distill=getattr(args, "distill", RECIPE["distill"]),
         freeze_backbone=getattr(args, "freeze_backbone", False), head_from=getattr(args, "head_from", None),
         seed=getattr(args, "seed", 0), precision=resolve_precision(getattr(args, "precision", "auto")),
-        anchor_fusion=getattr(args, "anchor_fusion", False))
+        anchor_fusion=getattr(args, "anchor_fusion", False),
+        pure_draft_prefix_len=getattr(args, "prefix_len", RECIPE["prefix_len"]))
     train(target, store, tc)
     return Path(tc.out) / "model"
 
