@@ -106,10 +106,11 @@ def test_train_stages_from_the_cli(tiny_llama_dir, tiny_target, tmp_path, capsys
     # a head alone on that backbone, kept fixed, with its own batch order
     assert main(["train", "domino", *base, "--steps", "2", "--num-layers", "1", "--seqs-per-step", "2",
                  "--anchors-per-seq", "2", "--init-from", f"{work}/dflash/model", "--freeze-backbone",
-                 "--seed", "3", "--out", f"{work}/head"]) == 0
+                 "--seed", "3", "--out", f"{work}/head", "--prefix-len", "0"]) == 0
     head = dt.load_drafter(f"{work}/head/model", target=tiny_target)
     assert hasattr(head, "head") and torch.equal(head.backbone.fc.weight, drafter.backbone.fc.weight)
+    assert head.prefix_len == 0                     # the head corrects depth 1 too
     cfg = json.loads(open(f"{work}/head/train_config.json").read())
-    assert cfg["seed"] == 3 and cfg["freeze_backbone"]
+    assert cfg["seed"] == 3 and cfg["freeze_backbone"] and cfg["pure_draft_prefix_len"] == 0
     code, _, err = run_cli(capsys, "train", "dflash", *base[:2], "--workdir", str(tmp_path / "empty"))
     assert code == 2 and "features" in err
