@@ -52,10 +52,6 @@ def test_generate_with_a_lookup_branch(tiny_llama_dir, tiny_target, tmp_path, ca
     obj = json.loads(out)
     assert obj["stats"]["lookup_accepted"] >= 0
     assert obj["token_ids"] == dt.generate(tiny_target, None, "hi hi", method="ar", max_new_tokens=12).token_ids
-    code, out, _ = run_cli(capsys, "generate", "--model", str(tiny_llama_dir), "--dtype", "fp32", "--drafter",
-                           str(path), "--method", "ddtree", "--lookup", "5", "--max-new-tokens", "12", "--json",
-                           "--verify-logits", "all", "hi hi")
-    assert code == 0 and json.loads(out)["token_ids"] == obj["token_ids"]
 
 
 def test_generate_with_a_drafter_dir_streams_text(tiny_llama_dir, tmp_path, capsys):

@@ -100,31 +100,3 @@ def test_misuse_is_rejected(tiny_target):
         target.prefill([])
     with pytest.raises(ValueError):
         target.set_taps([99])
-
-
-def test_walk_logits_equal_the_all_node_rows_and_compute_only_what_is_read(tiny_target):
-    """verify(logits="walk") gives each node the row the reference product gives it, computing
-    a node's first-child chain (WALK_CHUNK rows) the first time any of them is read."""
-    from dominotree.target import WALK_CHUNK, WalkLogits
-    target = tiny_target
-    prefix = [1, 10, 11, 12, 13]
-    # node 0 -> 1 -> 3 -> 6 -> 8 -> 9 is the first-child chain; 2, 4, 5, 7 hang off it
-    tree = DraftTree.from_lists([20, 21, 22, 23, 24, 25, 26, 27, 28, 29], [-1, 0, 0, 1, 1, 2, 3, 3, 6, 8])
-    target.prefill(prefix)
-    ref = target.verify(tree).logits
-    target.rollback()
-    walk = target.verify(tree, logits="walk").logits
-    target.rollback()
-    assert isinstance(walk, WalkLogits) and walk.shape == ref.shape and walk.computed == 0
-    assert torch.allclose(walk[0], ref[0], atol=1e-5)
-    assert walk.computed == WALK_CHUNK                    # 0, 1, 3, 6
-    assert torch.allclose(walk[6], ref[6], atol=1e-5) and walk.computed == WALK_CHUNK
-    walk[5]                                               # off the chain, a leaf: one more row
-    assert walk.computed == WALK_CHUNK + 1
-    assert torch.allclose(walk[-1], ref[9], atol=1e-5)
-    assert torch.allclose(walk.all(), ref, atol=1e-5) and walk.computed == len(tree)
-    with pytest.raises(IndexError):
-        walk[len(tree)]
-    with pytest.raises(ValueError, match="logits must be"):
-        target.verify(tree, logits="some")
-    assert target._pending == 0                           # the bad call left no pass behind

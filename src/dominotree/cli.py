@@ -35,7 +35,7 @@ def cmd_generate(args) -> int:
     opts = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                 top_k=args.top_k, seed=args.seed, raw=args.raw, budget=args.budget, node_topk=args.node_topk,
                 corr_topm=None if args.corr_topm <= 0 else args.corr_topm, builder=args.builder,
-                verify_logits=args.verify_logits, stop=args.stop or [], cost_model=args.cost_model, lookup=args.lookup, lookup_ngram=args.lookup_ngram)
+                stop=args.stop or [], cost_model=args.cost_model, lookup=args.lookup, lookup_ngram=args.lookup_ngram)
     if args.json:
         r = dt.generate(target, drafter, prompt, method=args.method, **opts)
         print(json.dumps({"text": r.text, "token_ids": r.token_ids, "stats": r.stats}))
@@ -124,8 +124,6 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--node-topk", type=int, default=8)
     g.add_argument("--corr-topm", type=int, default=64, help="<= 0: the whole vocabulary")
     g.add_argument("--builder", default="fast", choices=["fast", "reference"])
-    g.add_argument("--verify-logits", default="walk", choices=["walk", "all"],
-                   help="LM head on the nodes the acceptance walk visits (walk) or on every node (all, the reference)")
     g.add_argument("--cost-model", default=None, help="JSON from `dominotree profile`")
     g.add_argument("--lookup", type=int, default=0,
                    help="merge a prompt-lookup branch of up to N tokens into each tree (0: off)")

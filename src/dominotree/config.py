@@ -25,7 +25,6 @@ class SpecConfig:
     normalization: str = "topm"        # "topm" (published) or "exact"
     conditioning: str = "path"         # DominoTree ladder: "path" | "greedy" (correction once per depth)
     builder: str = "fast"              # "fast" or "reference" tree builder
-    verify_logits: str = "walk"        # "walk": LM head only on the nodes acceptance visits; "all" (reference)
     cost_model: str | None = None      # JSON from `dominotree profile` (caddtree, condadaptive)
     max_budget: int = 64               # cap for the adaptive methods
     lookup: int = 0                    # prompt-lookup branch of up to this many tokens per tree (0: off)
@@ -57,8 +56,6 @@ class SpecConfig:
             raise ValueError(f"conditioning must be 'path' or 'greedy', got {self.conditioning!r}")
         if self.builder not in ("fast", "reference"):
             raise ValueError(f"builder must be 'fast' or 'reference', got {self.builder!r}")
-        if self.verify_logits not in ("walk", "all"):
-            raise ValueError(f"verify_logits must be 'walk' or 'all', got {self.verify_logits!r}")
         if not isinstance(self.lookup, int) or self.lookup < 0:
             raise ValueError(f"lookup must be an integer >= 0, got {self.lookup!r}")
         if self.lookup and self.method == "ar":

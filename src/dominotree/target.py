@@ -21,60 +21,8 @@ from .trees.tree import DraftTree
 
 @dataclass
 class ForwardOutput:
-    logits: "torch.Tensor | WalkLogits"  # [n, V] float32 (WalkLogits: rows computed when indexed)
-    features: torch.Tensor | None        # [n, len(taps) * hidden] in the model dtype, or None
-
-
-# Rows of the LM head computed together when the walk reaches a node not computed yet: that node
-# and its chain of first children (the likeliest way on), up to this many. On this CPU one 576 x
-# 49,152 row costs ~1.5 ms alone and ~0.5 ms more per row in one product (17 rows: 9 ms), and a
-# walk visits tau (~2-3) of a budget-16 tree's 17 nodes.
-WALK_CHUNK = 4
-
-
-class WalkLogits:
-    """A verified tree's logits, computed on demand: row i is lm_head(hidden[i]) in float32.
-
-    Acceptance only reads the nodes its walk visits, so computing every node's 49k-wide row (the
-    reference, `verify(logits="all")`) is mostly wasted. Indexing a node not yet computed computes
-    it together with its first-child chain (WALK_CHUNK rows in one product). The rows equal those
-    of the all-node product up to the GEMM's rounding (bit-identical for the packed bf16 head here)."""
-
-    def __init__(self, lm_head, hidden: torch.Tensor, tree: DraftTree):
-        self._head, self._hidden = lm_head, hidden
-        kids = tree.children()
-        self._first = [k[0] if k else -1 for k in kids]
-        self._rows: dict[int, torch.Tensor] = {}
-
-    def __len__(self) -> int:
-        return len(self._hidden)
-
-    @property
-    def shape(self) -> torch.Size:
-        return torch.Size([len(self._hidden), self._head.weight.shape[0]])
-
-    @property
-    def computed(self) -> int:
-        """Rows computed so far."""
-        return len(self._rows)
-
-    @torch.inference_mode()
-    def __getitem__(self, node: int) -> torch.Tensor:
-        node = int(node)
-        if not -len(self) <= node < len(self):
-            raise IndexError(f"node {node} is outside the tree's {len(self)} nodes")
-        node %= len(self)
-        if node not in self._rows:
-            chunk = [node]
-            while len(chunk) < WALK_CHUNK and self._first[chunk[-1]] >= 0 and self._first[chunk[-1]] not in self._rows:
-                chunk.append(self._first[chunk[-1]])
-            rows = self._head(self._hidden[chunk]).float()
-            self._rows.update(zip(chunk, rows))
-        return self._rows[node]
-
-    def all(self) -> torch.Tensor:
-        """Every node's row, [n, V] float32."""
-        return torch.stack([self[i] for i in range(len(self))])
+    logits: torch.Tensor               # [n, V] float32
+    features: torch.Tensor | None      # [n, len(taps) * hidden] in the model dtype, or None
 
 
 class TargetModel:
@@ -168,7 +116,7 @@ class TargetModel:
 
     # ---- forward passes --------------------------------------------------------------------
     @torch.inference_mode()
-    def _forward(self, ids, positions, mask4d, want_features, last_only=False, walk_tree=None) -> ForwardOutput:
+    def _forward(self, ids, positions, mask4d, want_features, last_only=False) -> ForwardOutput:
         want = want_features and bool(self.tap_layer_ids)
         out = self.model.base_model(
             input_ids=ids[None].to(self.device), position_ids=positions[None].to(self.device),
@@ -177,10 +125,7 @@ class TargetModel:
         hidden = out.last_hidden_state[0]
         if last_only:
             hidden = hidden[-1:]
-        if walk_tree is not None:
-            logits = WalkLogits(self.model.get_output_embeddings(), hidden, walk_tree)
-        else:
-            logits = self.lm_head(hidden).float()
+        logits = self.lm_head(hidden).float()
         feats = None
         if want:
             feats = torch.cat([out.hidden_states[l + 1][0] for l in self.tap_layer_ids], dim=-1)
@@ -203,13 +148,8 @@ class TargetModel:
         self.length = len(ids)
         return ForwardOutput(out.logits, torch.cat(feats) if feats else None)
 
-    def verify(self, tree: DraftTree, features: bool = True, logits: str = "all") -> ForwardOutput:
-        """One pass over root + tree; per-node logits and features. Call `commit` next.
-
-        logits: "all" computes every node's row ([n, V] tensor, the reference); "walk" returns
-        WalkLogits, which computes only the rows acceptance reads (what `generate` uses)."""
-        if logits not in ("all", "walk"):
-            raise ValueError(f"logits must be 'all' or 'walk', got {logits!r}")
+    def verify(self, tree: DraftTree, features: bool = True) -> ForwardOutput:
+        """One pass over root + tree; per-node logits and features. Call `commit` next."""
         if self._pending:
             raise RuntimeError("verify called twice without commit")
         n = len(tree)
@@ -222,7 +162,7 @@ class TargetModel:
             mask = torch.zeros(allowed.shape, dtype=self.dtype)
             mask.masked_fill_(~allowed, torch.finfo(self.dtype).min)
             mask = mask[None, None].to(self.device)
-        out = self._forward(tree.tokens, positions, mask, features, walk_tree=tree if logits == "walk" else None)
+        out = self._forward(tree.tokens, positions, mask, features)
         self._pending = n
         return out
 
