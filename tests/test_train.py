@@ -89,6 +89,38 @@ def test_feature_store_grows_with_the_data_without_recomputing_the_old_sequences
     torch.testing.assert_close(bf16.sequence(3)[1].float(), other.sequence(3)[1].float(), atol=0.1, rtol=0.05)
 
 
+def test_feature_pass_resumes_where_it_stopped(tiny_target, tiny_data, tmp_path):
+    """A pass stopped by its time limit leaves no readable store, keeps what it computed, and a second
+    call computes only the rest: the result equals a pass in one go; another request starts over."""
+    import numpy as np
+    root, store = tiny_data
+    kw = dict(layer_ids=[1, 2], topk=4, batch_tokens=200)
+    f = tmp_path / "f"
+    assert build_feature_store(tiny_target, root / "data", f, time_limit_s=0, **kw) is None   # one batch
+    assert not (f / "features.json").exists()
+    done = np.load(f / "progress.npy")
+    assert 0 < done.sum() < len(store)
+    feats = np.memmap(f / "features.u16", dtype=np.uint16, mode="r+", shape=store.feats.shape)
+    first = int(np.flatnonzero(done)[0])
+    a = int(store.offsets[first])
+    assert np.array_equal(feats[a], np.asarray(store.feats[a]))      # flushed when it stopped
+    feats[a, 0] = 0xFFFF                                              # a mark: gone if recomputed
+    feats.flush()
+    del feats
+    full = build_feature_store(tiny_target, root / "data", f, **kw)
+    assert full is not None and not (f / "progress.npy").exists() and not (f / "progress.json").exists()
+    assert int(np.asarray(full.feats[a, 0])) == 0xFFFF                # kept, not recomputed
+    rest = np.ones(len(store.feats), dtype=bool)
+    rest[a] = False
+    assert np.array_equal(np.asarray(full.feats)[rest], np.asarray(store.feats)[rest])
+    assert np.array_equal(np.asarray(full.topk_ids), np.asarray(store.topk_ids))
+    # an unfinished pass of another request (top-2) is not resumed into this one's files
+    assert build_feature_store(tiny_target, root / "data", f, time_limit_s=0, **{**kw, "topk": 2}) is None
+    again = build_feature_store(tiny_target, root / "data", f, **kw)
+    assert int(np.asarray(again.feats[a, 0])) != 0xFFFF and np.array_equal(np.asarray(again.feats),
+                                                                            np.asarray(store.feats))
+
+
 def test_target_topk_are_the_targets_next_token_log_probs(tiny_target, tiny_data, tmp_path):
     import shutil
     from dominotree.train.features import FeatureStore, build_target_topk

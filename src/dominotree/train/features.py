@@ -4,7 +4,9 @@ Drafter training reads the same features every epoch; recomputing them would cos
 forward pass per step, caching costs one pass in total."""
 from __future__ import annotations
 
+import hashlib
 import json
+import time
 from pathlib import Path
 
 import numpy as np
@@ -71,16 +73,28 @@ class TopkWriter:
 
     def __init__(self, root: Path, total: int, k: int):
         self.root = Path(root)
-        self.ids = np.lib.format.open_memmap(self.root / "topk_ids.tmp.npy", mode="w+", dtype=np.int32, shape=(total, k))
-        self.logp = np.lib.format.open_memmap(self.root / "topk_logp.tmp.npy", mode="w+", dtype=np.float16,
-                                              shape=(total, k))
+        self.ids = self._open("topk_ids", np.int32, (total, k))
+        self.logp = self._open("topk_logp", np.float16, (total, k))
+
+    def _open(self, name: str, dtype, shape):
+        """The temporary array, reopened if an unfinished pass left one of this shape, else new."""
+        path = self.root / f"{name}.tmp.npy"
+        if path.exists():
+            arr = np.lib.format.open_memmap(path, mode="r+")
+            if arr.shape == shape and arr.dtype == dtype:
+                return arr
+            del arr
+        return np.lib.format.open_memmap(path, mode="w+", dtype=dtype, shape=shape)
+
+    def flush(self) -> None:
+        self.ids.flush(); self.logp.flush()
 
     def write(self, start: int, top, row: int, n: int) -> None:
         self.ids[start:start + n] = top.indices[row, :n].numpy()
         self.logp[start:start + n] = top.values[row, :n].numpy()
 
     def close(self) -> None:
-        self.ids.flush(); self.logp.flush()
+        self.flush()
         del self.ids, self.logp
         for name in ("topk_ids", "topk_logp"):
             (self.root / f"{name}.tmp.npy").rename(self.root / f"{name}.npy")
@@ -130,12 +144,17 @@ def _reusable_prefix(out: Path, tokens: np.ndarray, offsets: np.ndarray, layer_i
 
 @torch.inference_mode()
 def build_feature_store(target, data_dir: Path, out: Path, layer_ids: list[int], max_len: int = 768,
-                        batch_tokens: int = 4096, topk: int = 0) -> FeatureStore:
+                        batch_tokens: int = 4096, topk: int = 0, time_limit_s: float | None = None,
+                        save_every_s: float = 60.0) -> FeatureStore | None:
     """Run the target over every (prompt + response), keep the tapped layers' outputs (and, with
     topk > 0, the target's top-k next-token log-probs, in the same pass).
 
     When the data grew (more shards) and `out` holds the store of its first sequences, only the new
-    sequences are computed; the store stays readable as the old one until features.json is rewritten."""
+    sequences are computed; the store stays readable as the old one until features.json is rewritten.
+    The pass is resumable: every `save_every_s` the written rows are flushed and the finished
+    sequences recorded (progress.npy, with the pass it belongs to in progress.json), so a pass that
+    was stopped, or ran into `time_limit_s` (no batch starts after it), continues where it
+    stopped when called again with the same request. Returns None while the pass is unfinished."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     seqs = [s for s in read_shards(data_dir) if len(s.tokens) - s.prompt_len >= 2]
@@ -145,24 +164,43 @@ def build_feature_store(target, data_dir: Path, out: Path, layer_ids: list[int],
     tokens = np.concatenate([s.tokens for s in seqs]).astype(np.int32)
     dim = len(layer_ids) * target.hidden_size
     total = int(offsets[-1])
+    plan = {"layer_ids": list(layer_ids), "dim": dim, "topk": topk, "target": target.name,
+            "target_dtype": str(target.dtype), "sequences": len(seqs), "tokens": total,
+            "tokens_sha1": hashlib.sha1(tokens.tobytes()).hexdigest()}
     old = _reusable_prefix(out, tokens, offsets, layer_ids, topk, target.name, str(target.dtype))
-    done = len(old) if old is not None else 0
-    if old is None:
+    finished = _resumable_progress(out, plan, total * dim * 2)
+    if old is None:      # the file is about to hold another store's rows: nothing may read it as the old one
         (out / "features.json").unlink(missing_ok=True)
+    if old is None and finished is None:
         for name in ("topk_ids", "topk_logp"):      # stale soft labels must not outlive the features
-            (out / f"{name}.npy").unlink(missing_ok=True)
+            for suffix in ("", ".tmp"):
+                (out / f"{name}{suffix}.npy").unlink(missing_ok=True)
         (out / "features.u16").unlink(missing_ok=True)
+    if finished is None:
+        finished = np.zeros(len(seqs), dtype=bool)
+    if old is not None:
+        finished[:len(old)] = True
     with open(out / "features.u16", "ab") as f:     # grow (or create) the file; the kept prefix is untouched
         f.truncate(total * dim * 2)
     feats = np.memmap(out / "features.u16", dtype=np.uint16, mode="r+", shape=(total, dim))
     writer = TopkWriter(out, total, topk) if topk else None
-    if writer and done:
-        kept = int(offsets[done])
+    if writer and old is not None:
+        kept = int(offsets[len(old)])
         writer.ids[:kept], writer.logp[:kept] = old.topk_ids, old.topk_logp
     np.save(out / "tokens.npy", tokens)
+    (out / "progress.json").write_text(json.dumps(plan))
+
+    def save_progress():
+        feats.flush()
+        if writer:
+            writer.flush()
+        np.save(out / "progress.tmp.npy", finished)     # rows first, then the record that they are there
+        (out / "progress.tmp.npy").replace(out / "progress.npy")
+
     base = target.model.base_model
-    todo = np.arange(done, len(seqs))
-    print(f"target features: {done} sequences kept, {len(todo)} to compute")
+    todo = np.flatnonzero(~finished)
+    print(f"target features: {len(seqs) - len(todo)} sequences kept, {len(todo)} to compute")
+    t_start = last_save = time.monotonic()
     for part in tqdm(length_batches(lens[todo], batch_tokens), desc="target features"):
         batch = todo[part]
         w = int(max(lens[i] for i in batch))
@@ -176,6 +214,17 @@ def build_feature_store(target, data_dir: Path, out: Path, layer_ids: list[int],
             feats[offsets[i]:offsets[i + 1]] = fts[r, :lens[i]].view(torch.uint16).numpy()
             if writer:
                 writer.write(int(offsets[i]), top, r, int(lens[i]))
+        finished[batch] = True
+        if time.monotonic() - last_save >= save_every_s:
+            save_progress()
+            last_save = time.monotonic()
+        if time_limit_s is not None and time.monotonic() - t_start >= time_limit_s:
+            break
+    if not finished.all():
+        save_progress()
+        print(f"target features: stopped at the time limit with {int(finished.sum())} of {len(seqs)} "
+              f"sequences done; run again to continue")
+        return None
     feats.flush()
     del feats
     if writer:
@@ -183,4 +232,22 @@ def build_feature_store(target, data_dir: Path, out: Path, layer_ids: list[int],
     (out / "features.json").write_text(json.dumps({
         "layer_ids": list(layer_ids), "dim": dim, "offsets": offsets.tolist(),
         "prompt_lens": [s.prompt_len for s in seqs], "target": target.name, "target_dtype": str(target.dtype)}))
+    for name in ("progress.json", "progress.npy"):
+        (out / name).unlink(missing_ok=True)
     return FeatureStore(out)
+
+
+def _resumable_progress(out: Path, plan: dict, nbytes: int) -> np.ndarray | None:
+    """The finished-sequence mask of an unfinished pass over exactly this request, or None."""
+    try:
+        same = json.loads((out / "progress.json").read_text()) == plan
+        finished = np.load(out / "progress.npy") if same else None
+    except (OSError, ValueError):
+        return None
+    if finished is None or finished.shape != (plan["sequences"],) or finished.dtype != bool:
+        return None
+    if not (out / "features.u16").exists() or (out / "features.u16").stat().st_size != nbytes:
+        return None
+    if plan["topk"] and not all((out / f"{n}.tmp.npy").exists() for n in ("topk_ids", "topk_logp")):
+        return None
+    return finished

@@ -73,6 +73,8 @@ def add_train_parser(sub) -> None:
     f.add_argument("--precision", choices=CHOICES, default="auto",
                    help="the target's dtype for the pass (auto: bf16 with AMX, else fp32, ~1.5x faster there)")
     f.add_argument("--add-topk", action="store_true", help="only add the top-k to the existing feature store")
+    f.add_argument("--time-limit", type=float, default=None,
+                   help="start no new batch after N seconds; the pass resumes where it stopped when run again")
 
     for name in ("dflash", "domino"):
         r = ts.add_parser(name, help=f"train a {name} drafter on the cached features")
@@ -157,7 +159,8 @@ def run_features(args, target=None):
         build_target_topk(target, FeatureStore(root), topk)
         return
     layers = [int(x) for x in str(getattr(args, "layers", ",".join(map(str, RECIPE["layer_ids"])))).split(",")]
-    build_feature_store(target, Path(args.workdir) / "data", root, layers, topk=topk)
+    build_feature_store(target, Path(args.workdir) / "data", root, layers, topk=topk,
+                        time_limit_s=getattr(args, "time_limit", None))
 
 
 def run_train(args, name: str, target=None):
