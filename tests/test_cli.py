@@ -94,7 +94,7 @@ def test_train_stages_from_the_cli(tiny_llama_dir, tiny_target, tmp_path, capsys
     work = str(tmp_path / "w")
     base = ["--model", str(tiny_llama_dir), "--workdir", work]
     assert main(["train", "data", *base, "--num-prompts", "12", "--max-new-tokens", "16"]) == 0
-    assert main(["train", "features", *base, "--layers", "1,2"]) == 0
+    assert main(["train", "features", *base, "--layers", "1,2", "--time-limit", "600"]) == 0
     assert main(["train", "dflash", *base, "--steps", "3", "--num-layers", "1", "--seqs-per-step", "2",
                  "--anchors-per-seq", "2"]) == 0
     drafter = dt.load_drafter(f"{work}/dflash/model", target=tiny_target)
