@@ -171,11 +171,11 @@ def build_feature_store(target, data_dir: Path, out: Path, layer_ids: list[int],
     finished = _resumable_progress(out, plan, total * dim * 2)
     if old is None:      # the file is about to hold another store's rows: nothing may read it as the old one
         (out / "features.json").unlink(missing_ok=True)
-    if old is None and finished is None:
-        for name in ("topk_ids", "topk_logp"):      # stale soft labels must not outlive the features
-            for suffix in ("", ".tmp"):
-                (out / f"{name}{suffix}.npy").unlink(missing_ok=True)
-        (out / "features.u16").unlink(missing_ok=True)
+        if finished is None:
+            for name in ("topk_ids", "topk_logp"):      # stale soft labels must not outlive the features
+                for suffix in ("", ".tmp"):
+                    (out / f"{name}{suffix}.npy").unlink(missing_ok=True)
+            (out / "features.u16").unlink(missing_ok=True)
     if finished is None:
         finished = np.zeros(len(seqs), dtype=bool)
     if old is not None:
