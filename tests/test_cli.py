@@ -96,9 +96,10 @@ def test_train_stages_from_the_cli(tiny_llama_dir, tiny_target, tmp_path, capsys
     assert main(["train", "data", *base, "--num-prompts", "12", "--max-new-tokens", "16"]) == 0
     assert main(["train", "features", *base, "--layers", "1,2", "--time-limit", "600"]) == 0
     assert main(["train", "dflash", *base, "--steps", "3", "--num-layers", "1", "--seqs-per-step", "2",
-                 "--anchors-per-seq", "2"]) == 0
+                 "--anchors-per-seq", "2", "--vocab-min-count", "2"]) == 0
     drafter = dt.load_drafter(f"{work}/dflash/model", target=tiny_target)
     assert drafter.config.target_layer_ids == [1, 2] and drafter.config.shift_label
+    assert json.loads(open(f"{work}/dflash/train_config.json").read())["vocab_min_count"] == 2
     # a head alone on that backbone, kept fixed, with its own batch order
     assert main(["train", "domino", *base, "--steps", "2", "--num-layers", "1", "--seqs-per-step", "2",
                  "--anchors-per-seq", "2", "--init-from", f"{work}/dflash/model", "--freeze-backbone",

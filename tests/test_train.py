@@ -2,6 +2,8 @@
 that loads, fits the target, and proposes better than chance."""
 import json
 
+import numpy as np
+
 import pytest
 import torch
 
@@ -262,6 +264,30 @@ def test_training_vocab_is_the_data_tokens(tiny_data):
     assert training_vocab(store, 96, "full")[0].tolist() == list(range(96))
     with pytest.raises(ValueError, match="vocab"):
         training_vocab(store, 96, "top")
+    # a minimum count keeps exactly the tokens seen that often
+    toks, counts = np.unique(np.asarray(store.tokens), return_counts=True)
+    k = int(np.median(counts)) + 1
+    ids, remap = training_vocab(store, 96, "data", min_count=k)
+    assert set(ids.tolist()) == set(toks[counts >= k].tolist()) and 0 < len(ids) < len(toks)
+    with pytest.raises(ValueError, match="vocab_min_count"):
+        training_vocab(store, 96, "data", min_count=int(counts.max()) + 1)
+
+
+def test_labels_outside_the_training_vocabulary_are_ignored(tiny_target, tiny_data, tmp_path):
+    from dominotree.train.dflash import label_columns, training_vocab
+    _, store = tiny_data
+    toks, counts = np.unique(np.asarray(store.tokens), return_counts=True)
+    k = int(np.median(counts)) + 1
+    ids, remap = training_vocab(store, 96, "data", min_count=k)
+    common, rare = int(toks[counts >= k][0]), int(toks[counts < k][0])
+    cols = label_columns(torch.tensor([[-100, common, rare, common]]), remap)
+    assert cols.tolist() == [[-100, int(remap[common]), -100, int(remap[common])]]
+    assert int(ids[cols[0, 1]]) == common
+    # a run on the narrower vocabulary trains (finite loss) with the rare labels dropped
+    train(tiny_target, store, TrainConfig(out=str(tmp_path / "r"), steps=3, seqs_per_step=4, anchors_per_seq=4,
+                                          vocab_min_count=k, negatives=8), progress=False)
+    log = [json.loads(l) for l in open(tmp_path / "r" / "log.jsonl")]
+    assert log and all(np.isfinite(r["loss"]) and r["loss"] > 0 for r in log)
 
 
 def test_eval_reports_held_out_tau_per_dataset(tiny_target):

@@ -60,6 +60,7 @@ class TrainConfig:
     # SmolLM2's 49k; the LM-head product is most of a step's cost) plus `negatives` other tokens drawn
     # afresh each step, so that the drafter also learns to keep the unseen ones down. "full": all tokens.
     vocab: str = "data"
+    vocab_min_count: int = 1       # "data" vocabulary: tokens seen at least this often (rarer labels are ignored)
     negatives: int = 2048
     # Distillation: loss = (1 - distill) * CE(data token) + distill * CE(target's renormalised top-k),
     # from the feature store's cached top-k (`train features --topk K`). Soft labels carry the
@@ -126,7 +127,7 @@ def train(target, store: FeatureStore, tc: TrainConfig, progress: bool = True):
     low = torch.bfloat16 if tc.precision == "bf16" else torch.float32
     embed_w = target.model.get_input_embeddings().weight.detach().to(low)
     head_w = target.model.get_output_embeddings().weight.detach().to(low)
-    seen, remap = training_vocab(store, cfg.vocab_size, tc.vocab)
+    seen, remap = training_vocab(store, cfg.vocab_size, tc.vocab, tc.vocab_min_count)
     unseen = (remap < 0).nonzero()[:, 0]
     if tc.head and not head_loaded:
         with torch.no_grad():   # unseen tokens' correction starts at 0, not at random (negatives only push it down)
@@ -155,7 +156,7 @@ def train(target, store: FeatureStore, tc: TrainConfig, progress: bool = True):
                            cfg.num_depths, cfg.mask_token_id, gen,
                            topk=[store.topk(i) for i in idx] if tc.distill > 0 else None)
         batch.ctx_feats = batch.ctx_feats.to(low)
-        batch.labels = torch.where(batch.labels >= 0, remap[batch.labels.clamp_min(0)], batch.labels)
+        batch.labels = label_columns(batch.labels, remap)
         if batch.soft_ids is not None:     # soft labels outside the training vocabulary are dropped
             batch.soft_ids = torch.where(batch.soft_ids >= 0, remap[batch.soft_ids.clamp_min(0)], batch.soft_ids)
         neg = unseen[torch.randperm(len(unseen), generator=gen)[:tc.negatives]]
@@ -241,17 +242,32 @@ def load_head(drafter, src, src_path, tc: TrainConfig) -> None:
                          f"(emb_dim {tc.emb_dim}, gru_hidden_dim {tc.gru_hidden_dim}): {e}") from None
 
 
-def training_vocab(store: FeatureStore, vocab_size: int, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token ids the loss's softmax runs over, and the map token id -> column (-1: not in it)."""
+def training_vocab(store: FeatureStore, vocab_size: int, mode: str,
+                   min_count: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids the loss's softmax runs over, and the map token id -> column (-1: not in it).
+    "data": the tokens occurring in the store at least min_count times (the softmax's width is
+    most of a step's cost, and the long tail of once-seen tokens makes it wide on large data)."""
     if mode == "full":
         ids = torch.arange(vocab_size)
     elif mode == "data":
-        ids = torch.from_numpy(np.unique(np.asarray(store.tokens))).long()
+        if min_count < 1:
+            raise ValueError(f"vocab_min_count must be >= 1, got {min_count}")
+        toks, counts = np.unique(np.asarray(store.tokens), return_counts=True)
+        ids = torch.from_numpy(toks[counts >= min_count]).long()
+        if len(ids) == 0:
+            raise ValueError(f"no token occurs {min_count} times in the data: lower vocab_min_count")
     else:
         raise ValueError(f"vocab must be 'data' or 'full', got {mode!r}")
     remap = torch.full((vocab_size,), -1, dtype=torch.long)
     remap[ids] = torch.arange(len(ids))
     return ids, remap
+
+
+def label_columns(labels: torch.Tensor, remap: torch.Tensor) -> torch.Tensor:
+    """Token-id labels as columns of the training vocabulary; -100 (ignored) stays, and so becomes
+    a label outside the vocabulary (a token rarer than vocab_min_count)."""
+    cols = remap[labels.clamp_min(0)]
+    return torch.where((labels >= 0) & (cols >= 0), cols, torch.full_like(labels, -100))
 
 
 def block_hidden(backbone: DFlashBackbone, batch, embed_w, cfg: DrafterConfig) -> torch.Tensor:

@@ -103,6 +103,9 @@ def add_train_parser(sub) -> None:
                        help="bf16 autocast (fast with AMX) or plain fp32 (faster on CPUs without AMX); auto: by the CPU")
         r.add_argument("--vocab", choices=["data", "full"], default="data",
                        help="softmax of the loss over the tokens seen in the data (fast) or the whole vocabulary")
+        r.add_argument("--vocab-min-count", type=int, default=1,
+                       help="with --vocab data: only tokens seen at least this often (labels rarer than that "
+                            "are ignored; a narrower softmax makes a step faster on large data)")
         if name == "domino":
             r.add_argument("--no-head", action="store_true", help="ablation: backbone only")
             r.add_argument("--ttt", action="store_true", help="ablation: GRU fed its own drafts")
@@ -179,7 +182,8 @@ def run_train(args, name: str, target=None):
         head=head, shift_label=RECIPE["shift_label"], init_from=getattr(args, "init_from", None),
         emb_dim=getattr(args, "emb_dim", RECIPE["emb_dim"]), gru_hidden_dim=getattr(args, "gru_hidden_dim", RECIPE["gru_hidden_dim"]),
         ttt=getattr(args, "ttt", False), curriculum=not getattr(args, "no_curriculum", False),
-        vocab=getattr(args, "vocab", "data"), init_layers=getattr(args, "init_layers", RECIPE["init_layers"]),
+        vocab=getattr(args, "vocab", "data"), vocab_min_count=getattr(args, "vocab_min_count", 1),
+        init_layers=getattr(args, "init_layers", RECIPE["init_layers"]),
         gamma=getattr(args, "gamma", RECIPE["gamma"]), distill=getattr(args, "distill", RECIPE["distill"]),
         freeze_backbone=getattr(args, "freeze_backbone", False), head_from=getattr(args, "head_from", None),
         seed=getattr(args, "seed", 0), precision=resolve_precision(getattr(args, "precision", "auto")),
