@@ -111,3 +111,12 @@ def test_train_stages_from_the_cli(tiny_llama_dir, tiny_target, tmp_path, capsys
     assert cfg["seed"] == 3 and cfg["freeze_backbone"] and cfg["pure_draft_prefix_len"] == 0
     code, _, err = run_cli(capsys, "train", "dflash", *base[:2], "--workdir", str(tmp_path / "empty"))
     assert code == 2 and "features" in err
+    # held-out tau on a slice of the training prompts, one per mix group
+    assert main(["train", "eval", *base[:2], "--drafters", f"{work}/dflash/model", "--training-prompts", "0:40",
+                 "--max-samples", "1", "--max-new-tokens", "6", "--out", f"{work}/eval.json"]) == 0
+    rows = json.loads(open(f"{work}/eval.json").read())["rows"]
+    assert {r["dataset"]: r["prompts"] for r in rows} == {"train-instruction": 1, "train-code": 1,
+                                                          "train-math": 1, "all": 3}
+    code, _, err = run_cli(capsys, "train", "eval", *base[:2], "--drafters", f"{work}/dflash/model",
+                           "--training-prompts", "9:3")
+    assert code == 2 and "START < END" in err

@@ -3,7 +3,7 @@ from collections import Counter
 
 from dominotree.bench.datasets import DATASETS, load_dataset
 from dominotree.offline_data import ASDIV_BENCH, asdiv
-from dominotree.train.prompts import MIX, training_prompts
+from dominotree.train.prompts import MIX, source_group, training_prompts
 
 
 def _norm(s: str) -> str:
@@ -33,7 +33,21 @@ def test_aime_prompts_carry_the_problem_and_the_answer_format():
 
 def test_training_prompts_follow_the_mix():
     rows = training_prompts()[:4000]
-    groups = Counter("code" if s == "code" else "math" if s == "math" else "instruction" for s, _ in rows)
+    groups = Counter(source_group(s) for s, _ in rows)
     for g, share in MIX.items():
         assert abs(groups[g] / len(rows) - share) < 0.04
     assert len({t for _, t in rows}) == len(rows)
+
+
+def test_a_slice_of_training_prompts_for_held_out_eval():
+    import pytest
+    from dominotree.train.evaluate import training_prompt_slice
+    allp = training_prompts()
+    rows = training_prompt_slice("100:130")
+    assert [p.text for p in rows] == [t for _, t in allp[100:130]]
+    assert [p.question_id for p in rows] == [str(i) for i in range(100, 130)]
+    assert {p.dataset for p in rows} == {"train-instruction", "train-code", "train-math"}
+    assert all(p.dataset == f"train-{source_group(p.category)}" for p in rows)
+    for bad in ("5", "a:b", "10:10", "-1:4", f"0:{len(allp) + 1}"):
+        with pytest.raises(ValueError, match="training-prompts"):
+            training_prompt_slice(bad)

@@ -135,9 +135,14 @@ def load_prompts(args) -> list[Prompt]:
                     for p in load_dataset(name)]
         except DatasetUnavailable as e:
             raise ValueError(str(e)) from e
+    return select_per_dataset(allp, args.max_samples)
+
+
+def select_per_dataset(allp: list[Prompt], max_samples: int) -> list[Prompt]:
+    """The first max_samples prompts of each dataset, datasets in their first-seen order."""
     by_ds: dict[str, list[Prompt]] = {}
     for p in allp:
-        if len(by_ds.setdefault(p.dataset, [])) < args.max_samples:
+        if len(by_ds.setdefault(p.dataset, [])) < max_samples:
             by_ds[p.dataset].append(p)
     prompts = [p for ps in by_ds.values() for p in ps]
     if not prompts:

@@ -1,4 +1,5 @@
-"""`dominotree train eval`: held-out tau of drafter checkpoints on the benchmark prompts.
+"""`dominotree train eval`: held-out tau of drafter checkpoints on the benchmark prompts
+(or, with `--training-prompts A:B`, on a slice of the training prompts).
 
 Training prompts are disjoint from the benchmark's (tests/test_prompts.py), so this is the
 number the training report quotes. tau needs no timing, so drafters run one after the other
@@ -40,6 +41,24 @@ def evaluate(target, drafters: dict, prompts, method: str = "auto", max_new_toke
     return rows
 
 
+def training_prompt_slice(spec: str, seed: int = 0) -> list:
+    """Training prompts `A:B` (indices A..B-1 of the recipe's order, `train data`'s seed), as
+    prompts labelled by their mix group: train-instruction, train-code, train-math. A drafter
+    trained on `--num-prompts N` has seen the target's answers to the prompts below N and none above:
+    tau on the two sides measures what it memorised against what it generalises."""
+    from ..bench.datasets import Prompt
+    from .prompts import source_group, training_prompts
+    try:
+        a, b = (int(x) for x in spec.split(":"))
+    except ValueError:
+        raise ValueError(f"--training-prompts takes START:END (e.g. 16000:18000), got {spec!r}") from None
+    allp = training_prompts(seed)
+    if not 0 <= a < b <= len(allp):
+        raise ValueError(f"--training-prompts {spec}: needs 0 <= START < END <= {len(allp)} (the training prompts)")
+    return [Prompt(f"train-{source_group(src)}", str(i), src, text)
+            for i, (src, text) in enumerate(allp[a:b], start=a)]
+
+
 def markdown(rows: list[dict]) -> str:
     datasets = list(dict.fromkeys(r["dataset"] for r in rows))
     lines = ["| drafter | method | " + " | ".join(datasets) + " |", "|---|---|" + "---|" * len(datasets)]
@@ -53,10 +72,13 @@ def markdown(rows: list[dict]) -> str:
 
 def main(args, target=None) -> int:
     import dominotree as dt
-    from ..bench.runner import load_prompts
+    from ..bench.runner import load_prompts, select_per_dataset
     target = target or dt.load_target(args.model)
     args.prompts_file = getattr(args, "prompts_file", None)
-    prompts = load_prompts(args)
+    if getattr(args, "training_prompts", None):
+        prompts = select_per_dataset(training_prompt_slice(args.training_prompts), args.max_samples)
+    else:
+        prompts = load_prompts(args)
     names = [d.strip() for d in args.drafters.split(",") if d.strip()]
     if not names:
         raise ValueError("--drafters needs at least one drafter name or checkpoint dir")

@@ -124,6 +124,9 @@ def add_train_parser(sub) -> None:
     e.add_argument("--drafters", required=True, help="comma list of bundled names or checkpoint dirs")
     e.add_argument("--method", default="auto", help="auto: the drafter's chain (domino if it has a head, else dflash)")
     e.add_argument("--datasets", default="mt-bench,humaneval,gsm")
+    e.add_argument("--training-prompts", default=None, metavar="START:END",
+                   help="instead of --datasets: training prompts START..END-1 (per mix group; a drafter trained "
+                        "on --num-prompts N has seen those below N), to tell memorised from generalised tau")
     e.add_argument("--max-samples", type=int, default=3, help="first N prompts of each dataset")
     e.add_argument("--max-new-tokens", type=int, default=96)
     e.add_argument("--budget", type=int, default=16, help="for tree methods")

@@ -77,6 +77,11 @@ def math_prompts() -> list[tuple[str, str]]:
 MIX = {"instruction": 0.45, "code": 0.30, "math": 0.25}
 
 
+def source_group(source: str) -> str:
+    """The MIX group of a training prompt's source (code_prompts and math_prompts name theirs so)."""
+    return source if source in ("code", "math") else "instruction"
+
+
 def training_prompts(seed: int = 0) -> list[tuple[str, str]]:
     """(source, prompt) pairs, deduplicated, interleaved so that any prefix follows MIX."""
     rng = random.Random(seed)
