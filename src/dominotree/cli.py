@@ -165,9 +165,10 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     from .drafters import DrafterLoadError
     from .models import ModelNotFoundError
+    from .offline_data import DatasetUnavailable
     try:
         return args.func(args) or 0
-    except (ValueError, UsageError, ModelNotFoundError, DrafterLoadError, FileNotFoundError) as e:
+    except (ValueError, UsageError, ModelNotFoundError, DrafterLoadError, DatasetUnavailable, FileNotFoundError) as e:
         print(f"dominotree: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

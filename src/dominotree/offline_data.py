@@ -36,3 +36,18 @@ def asdiv() -> list[dict]:
 
 
 ASDIV_BENCH = 500
+
+
+GSM_SYMBOLIC_SUFFIX = " Give the result as your final answer. Do not include units."
+
+
+def gsm_symbolic(n: int, seed: int = 0) -> list[str]:
+    """n GSM-style word problems from reasoning-gym's GSM-Symbolic templates (about 85 GSM8K
+    problems with their names and numbers drawn afresh), without reasoning-gym's answer suffix."""
+    try:
+        import reasoning_gym
+    except ImportError:
+        raise DatasetUnavailable("needs the package reasoning-gym==0.1.25; install it with: "
+                                 "pip install reasoning-gym==0.1.25") from None
+    rows = reasoning_gym.create_dataset("gsm_symbolic", seed=seed, size=n)
+    return [r["question"].removesuffix(GSM_SYMBOLIC_SUFFIX) for r in rows]

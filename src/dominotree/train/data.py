@@ -69,7 +69,7 @@ def generate_data(target, out: Path, num_prompts: int = 6000, shard_size: int = 
                   seed: int = 0, time_limit_s: float | None = None, seed_dir: Path | None = None) -> dict:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    prompts = training_prompts(seed)[:num_prompts]
+    prompts = training_prompts(seed, num_prompts)
     tok = target.tokenizer
     tok.padding_side = "left"
     pad = tok.pad_token_id if tok.pad_token_id is not None else sorted(target.eos_token_ids)[0]

@@ -52,9 +52,11 @@ def training_prompt_slice(spec: str, seed: int = 0) -> list:
         a, b = (int(x) for x in spec.split(":"))
     except ValueError:
         raise ValueError(f"--training-prompts takes START:END (e.g. 16000:18000), got {spec!r}") from None
-    allp = training_prompts(seed)
-    if not 0 <= a < b <= len(allp):
-        raise ValueError(f"--training-prompts {spec}: needs 0 <= START < END <= {len(allp)} (the training prompts)")
+    if not 0 <= a < b:
+        raise ValueError(f"--training-prompts {spec}: needs 0 <= START < END")
+    allp = training_prompts(seed, b)
+    if b > len(allp):
+        raise ValueError(f"--training-prompts {spec}: needs END <= {len(allp)} (the training prompts)")
     return [Prompt(f"train-{source_group(src)}", str(i), src, text)
             for i, (src, text) in enumerate(allp[a:b], start=a)]
 

