@@ -20,6 +20,9 @@ from .features import FeatureStore
 
 @dataclass
 class TrainConfig:
+    """One training run. The defaults are the trainer's generic ones, not the recipe's: the CLI
+    (`train/pipeline.py`, RECIPE) passes shift_label=True, anchors_per_seq=12 and a precision chosen
+    for the CPU, so a Python caller who wants the bundled drafters' setting passes those too."""
     out: str
     steps: int = 1000
     seqs_per_step: int = 8
