@@ -52,18 +52,16 @@ def test_bundled_drafters_are_lossless_and_accept(smol, method):
 def test_committed_shards_hold_the_recipes_prompts(smol):
     """train data reuses train_data/ shards: they must answer training_prompts() in its order
     (a reordered prompt list would silently pair new prompts with old answers)."""
-    from dominotree.train.data import seed_dir_for, shard_path
-    from dominotree.train.prompts import training_prompts
     import json
-    import numpy as np
+    from dominotree.train.data import read_shard, seed_dir_for, shard_path
+    from dominotree.train.prompts import training_prompts
     seeds = seed_dir_for("smollm2-135m")
     meta = json.loads((seeds / "meta.json").read_text())
     prompts = training_prompts(meta["seed"])
     size = meta["shard_size"]
     last = (meta["num_prompts"] - 1) // size
     for k in sorted({0, last // 2, last}):
-        with np.load(shard_path(seeds, k)) as z:
-            off, lens = z["offsets"], z["prompt_lens"]
-            stored = sorted(tuple(int(t) for t in z["tokens"][off[i]:off[i] + lens[i]]) for i in range(len(lens)))
-        want = sorted(tuple(smol.encode_prompt(p)) for _, p in prompts[k * size:k * size + len(lens)])
+        seqs = read_shard(shard_path(seeds, k))
+        stored = sorted(tuple(int(t) for t in s.tokens[:s.prompt_len]) for s in seqs)
+        want = sorted(tuple(smol.encode_prompt(p)) for _, p in prompts[k * size:k * size + len(seqs)])
         assert stored == want, f"shard {k}"

