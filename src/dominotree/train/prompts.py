@@ -82,6 +82,13 @@ def gsm_symbolic_prompts(n: int = 4000) -> list[tuple[str, str]]:
     return [("gsm-symbolic", f"{q} {MATH_INSTRUCTION}") for q in rows]
 
 
+CODEIO_STYLES = (
+    "Write a Python function `{sig}` for this task. {task}\n\n{spec}",
+    "{task}\n\n{spec}\n\nImplement it in Python as `{sig}` and explain the approach briefly.",
+    "Explain how you would solve the following in Python, then write `{sig}`.\n\n{task}\n\n{spec}",
+)
+
+
 def codeio_prompts() -> list[tuple[str, str]]:
     """Code requests from CodeIO's task descriptions and I/O specs, each asking for its
     reference function's signature, in a fixed shuffled order (the files group similar tasks)."""
@@ -89,15 +96,8 @@ def codeio_prompts() -> list[tuple[str, str]]:
     for i, r in enumerate(codeio_tasks()):
         m = re.search(r"def main_solution\(([^)]*)\)", r["code_sample"])
         sig = f"main_solution({' '.join(m.group(1).split()) if m else ''})"
-        task, spec = r["task_description"].strip(), r["input_output_spec"].strip()
-        if i % 3 == 0:
-            out.append(("codeio", f"Write a Python function `{sig}` for this task. {task}\n\n{spec}"))
-        elif i % 3 == 1:
-            out.append(("codeio", f"{task}\n\n{spec}\n\nImplement it in Python as `{sig}` and explain "
-                                  f"the approach briefly."))
-        else:
-            out.append(("codeio", f"Explain how you would solve the following in Python, then write "
-                                  f"`{sig}`.\n\n{task}\n\n{spec}"))
+        out.append(("codeio", CODEIO_STYLES[i % 3].format(sig=sig, task=r["task_description"].strip(),
+                                                          spec=r["input_output_spec"].strip())))
     random.Random(0).shuffle(out)
     return out
 
