@@ -236,7 +236,9 @@ def test_w2_bound_is_an_upper_bound(k):
     bound = W2Bound(w2, k=k)
     for _ in range(20):
         z = torch.randn(12, generator=g) * 5
-        gap = bound.upper(z) - w2 @ z
-        assert gap.min() >= -1e-4
+        exact = w2 @ z
+        gap = bound.upper(z) - exact
+        # float32 rounding, relative to the logits' size (corrected_argmax gives the same slack)
+        assert (gap >= -1e-4 * (1 + exact.abs())).all()
     if k == 12 or k == 16:                             # the full basis: the bound is exact
         assert gap.abs().max() < 1e-3
