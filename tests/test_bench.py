@@ -11,6 +11,7 @@ from dominotree.bench.equality import first_divergence
 from dominotree.bench.methods import PRESETS, expand_methods, parse_method
 from dominotree.bench.metrics import bootstrap_ci, wilcoxon_p
 from dominotree.cli import main as cli_main
+from dominotree.machine import describe
 from dominotree.drafters import save_checkpoint
 
 from conftest import random_drafter
@@ -71,6 +72,8 @@ def test_full_run_writes_files_passes_equality_and_report_only_reproduces(bench_
         assert r["lookup_accepted"] is None or 0 <= r["lookup_accepted"] < r["new_tokens"]
     md = (out / "summary.md").read_text()
     assert "dominotree bench --methods ar,dflash," in md and "| all | dominotree |" in md and "FAILED" not in md
+    machine = json.loads((out / "run.json").read_text())["machine"]      # speedups depend on the CPU
+    assert machine["cores"] >= 1 and machine["torch_threads"] >= 1 and f"- machine: {describe(machine)}" in md
 
     again = tmp_path / "again"
     again.mkdir()

@@ -8,6 +8,7 @@ import json
 import re
 from pathlib import Path
 
+from ..machine import describe
 from .metrics import ALL, BASELINE, STAGES, reference_method, summarize
 
 RESULTS, RUN_INFO = "results.jsonl", "run.json"
@@ -65,6 +66,8 @@ def markdown(rows: list[dict], records: list[dict], info: dict) -> str:
     for k in ("model", "dflash_drafter", "domino_drafter", "cost_model"):
         if info.get(k):
             lines.append(f"- {k.replace('_', ' ')}: `{info[k]}`")
+    if info.get("machine"):
+        lines.append(f"- machine: {describe(info['machine'])}")
     lines += ["", f"Speedup: mean over prompts of the paired ratio ({BASELINE} time per token) / (method time per "
               "token), with a 95% bootstrap CI; ratio of means: mean ar time per token / mean method time per "
               f"token. p: two-sided Wilcoxon signed-rank test on per-prompt time per token against "

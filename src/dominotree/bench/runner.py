@@ -13,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+from ..machine import machine_info
 from ..packed import packing
 from .datasets import DATASETS, DEFAULT_DATASETS, Prompt, load_dataset
 from .methods import ALL_METHODS, PRESETS, expand_methods, run_hf_peer
@@ -85,7 +86,7 @@ def main(args) -> int:
     out.mkdir(parents=True, exist_ok=True)
     cost_model = ensure_cost_model(args, target, drafters, specs, out)
     info = {"command": command_line(args), "model": args.model, "packed": target.packed,
-            "cost_model": cost_model, "tie_tol": args.tie_tol,
+            "cost_model": cost_model, "tie_tol": args.tie_tol, "machine": machine_info(),
             **{f"{k}_drafter": names[k] for k in drafters}}
     (out / RUN_INFO).write_text(json.dumps(info, indent=1) + "\n")
 

@@ -7,18 +7,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..machine import CPUINFO, has_amx
+
 CHOICES = ("auto", "bf16", "fp32")
 
 
-def has_amx(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
-    try:
-        text = cpuinfo.read_text()
-    except OSError:     # not Linux: no way to tell, and no AMX outside recent Xeons anyway
-        return False
-    return any(line.startswith("flags") and "amx_bf16" in line.split() for line in text.splitlines())
-
-
-def resolve_precision(name: str, cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
+def resolve_precision(name: str, cpuinfo: Path = CPUINFO) -> str:
     if name not in CHOICES:
         raise ValueError(f"precision must be one of {', '.join(CHOICES)}, got {name!r}")
     if name != "auto":
