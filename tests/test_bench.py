@@ -181,3 +181,15 @@ def test_per_position_acceptance_is_the_pooled_survival_function():
     from dominotree.bench.metrics import survival
     assert survival([0, 2, 1, 3]) == [0.75, 0.5, 0.25]
     assert survival([]) == [] and survival([0, 0]) == []
+
+
+def test_build_time_times_both_builders_on_recorded_rounds(bench_env, tiny_llama_dir, tmp_path, capsys):
+    out = tmp_path / "build"
+    rc = cli_main(["bench", "--build-time", "--model", str(tiny_llama_dir), "--dtype", "fp32",
+                   "--prompts-file", str(bench_env / "prompts.jsonl"), "--domino-drafter", str(bench_env / "domino"),
+                   "--out", str(out), "--max-new-tokens", "12", "--budget", "6"])
+    assert rc == 0
+    res = json.loads((out / "build_time.json").read_text())
+    # every round of the 3 generations was recorded (the drafts' `depths` passed through) and rebuilt identically
+    assert res["rounds"] >= 3 and res["budget"] == 6 and res["reference_ms"] > 0 and res["fast_ms"] > 0
+    assert "identical trees" in capsys.readouterr().out

@@ -20,8 +20,8 @@ def record_drafts(target, drafter, prompts, max_new_tokens=64, budget=16) -> lis
     recorded = []
     inner_draft = drafter.draft
 
-    def spy(root, start, tgt):
-        out = inner_draft(root, start, tgt)
+    def spy(root, start, tgt, **kwargs):
+        out = inner_draft(root, start, tgt, **kwargs)
         recorded.append((out, root))
         return out
 
