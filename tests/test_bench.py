@@ -11,8 +11,8 @@ from dominotree.bench.equality import first_divergence
 from dominotree.bench.methods import PRESETS, expand_methods, parse_method
 from dominotree.bench.metrics import bootstrap_ci, wilcoxon_p
 from dominotree.cli import main as cli_main
-from dominotree.machine import describe
 from dominotree.drafters import save_checkpoint
+from dominotree.machine import describe
 
 from conftest import random_drafter
 
