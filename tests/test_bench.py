@@ -128,6 +128,7 @@ def test_method_specs_and_presets():
     assert [s.label for s in expand_methods(None, "ladder")] == ["ar"] + PRESETS["ladder"]
     assert len(expand_methods(None, "budget")) == 11 and len(expand_methods("ar,ddtree", "norm")) == 4
     assert parse_method("dominotree:lookup=8").options == {"lookup": 8}
+    assert parse_method("dominotree:lookup=8,lookup_store=train-data").options == {"lookup": 8, "lookup_store": "train-data"}
     assert "dominotree:lookup=8" in PRESETS["lookup"] and "dominotree" in PRESETS["lookup"]
     assert not parse_method("ar:pack=0").packed and parse_method("dominotree:pack=1,budget=8").packed
     assert parse_method("dominotree:pack=0,budget=8").options == {"budget": 8}

@@ -52,6 +52,11 @@ def test_generate_with_a_lookup_branch(tiny_llama_dir, tiny_target, tmp_path, ca
     obj = json.loads(out)
     assert obj["stats"]["lookup_accepted"] >= 0
     assert obj["token_ids"] == dt.generate(tiny_target, None, "hi hi", method="ar", max_new_tokens=12).token_ids
+    for extra, match in [(["--lookup-store", "train-data"], "needs lookup=N > 0"),
+                         (["--lookup", "4", "--lookup-store", str(tmp_path / "none")], "not a directory of training shards")]:
+        code, _, err = run_cli(capsys, "generate", "--model", str(tiny_llama_dir), "--dtype", "fp32", "--drafter",
+                               str(path), "--method", "ddtree", *extra, "hi")
+        assert code == 2 and match in err and "Traceback" not in err
 
 
 def test_generate_with_a_drafter_dir_streams_text(tiny_llama_dir, tmp_path, capsys):

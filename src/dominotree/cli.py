@@ -35,7 +35,8 @@ def cmd_generate(args) -> int:
     opts = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                 top_k=args.top_k, seed=args.seed, raw=args.raw, budget=args.budget, node_topk=args.node_topk,
                 corr_topm=None if args.corr_topm <= 0 else args.corr_topm, builder=args.builder,
-                stop=args.stop or [], cost_model=args.cost_model, lookup=args.lookup, lookup_ngram=args.lookup_ngram)
+                stop=args.stop or [], cost_model=args.cost_model, lookup=args.lookup, lookup_ngram=args.lookup_ngram,
+                lookup_store=args.lookup_store, lookup_store_min_n=args.lookup_store_min_n)
     if args.json:
         r = dt.generate(target, drafter, prompt, method=args.method, **opts)
         print(json.dumps({"text": r.text, "token_ids": r.token_ids, "stats": r.stats}))
@@ -128,6 +129,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--lookup", type=int, default=0,
                    help="merge a prompt-lookup branch of up to N tokens into each tree (0: off)")
     g.add_argument("--lookup-ngram", type=int, default=3, help="longest context suffix the lookup matches")
+    g.add_argument("--lookup-store", default=None,
+                   help="with --lookup: a second branch copied from text the target wrote before: 'train-data' "
+                        "(the target's committed training responses) or a directory of training shards")
+    g.add_argument("--lookup-store-min-n", type=int, default=4, help="shortest context suffix the store matches (1-8)")
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
     g.add_argument("--raw", action="store_true", help="do not apply the chat template")
     g.add_argument("--json", action="store_true", help="print one JSON object: text, token_ids, stats")

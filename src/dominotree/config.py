@@ -29,6 +29,9 @@ class SpecConfig:
     max_budget: int = 64               # cap for the adaptive methods
     lookup: int = 0                    # prompt-lookup branch of up to this many tokens per tree (0: off)
     lookup_ngram: int = 3              # longest context suffix the lookup matches (down to 1 token)
+    lookup_store: str | None = None    # also a branch copied from text the target wrote before:
+                                       # "train-data" (its committed training responses) or a shard dir
+    lookup_store_min_n: int = 4        # shortest context suffix the datastore matches (up to 8)
 
     def __post_init__(self):
         self.validate()
@@ -62,6 +65,10 @@ class SpecConfig:
             raise ValueError("lookup adds a branch to a draft tree; method 'ar' has none (use a draft method)")
         if not isinstance(self.lookup_ngram, int) or self.lookup_ngram < 1:
             raise ValueError(f"lookup_ngram must be an integer >= 1, got {self.lookup_ngram!r}")
+        if self.lookup_store is not None and not self.lookup:
+            raise ValueError("lookup_store adds a second lookup branch; it needs lookup=N > 0 (the branch length)")
+        if not isinstance(self.lookup_store_min_n, int) or not 1 <= self.lookup_store_min_n <= 8:
+            raise ValueError(f"lookup_store_min_n must be an integer in 1..8, got {self.lookup_store_min_n!r}")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
 

@@ -9,6 +9,7 @@ import torch
 
 from .config import DRAFT_METHODS, SpecConfig
 from .proposers import make_proposer
+from .trees.datastore import SORT_DEPTH, load_store, resolve_store
 from .trees.lookup import NgramIndex, merge_branch
 from .trees.tree import DraftTree
 from .verify import accept, pick_token
@@ -44,6 +45,7 @@ class GenerationStream:
             drafter.check_fits(target)
         self.proposer = make_proposer(cfg, target, drafter)
         self.lookup = NgramIndex(cfg.lookup_ngram) if cfg.lookup else None
+        self.store = load_store(str(resolve_store(cfg.lookup_store, target.name))) if cfg.lookup_store else None
         self.result: GenerationResult | None = None
 
     def __iter__(self):
@@ -60,7 +62,8 @@ class GenerationStream:
         uses_drafter = cfg.method != "ar"
         stage = {"draft": 0.0, "build": 0.0, "verify": 0.0, "commit": 0.0}
         accepted_per_round, tree_depths, budgets = [], [], []
-        lookup_accepted = 0      # accepted tokens that only the prompt-lookup branch proposed
+        lookup_accepted = 0      # accepted tokens that only a lookup branch proposed
+        store_accepted = 0       # ... of them, those only the datastore branch proposed
         out: list[int] = []
         finish = None
 
@@ -88,11 +91,18 @@ class GenerationStream:
             with torch.inference_mode():
                 t0 = time.perf_counter()
                 tree, timing, info = self.proposer(root, target.length, max_depth)
-                n_new = 0
+                n_new = n_store = 0
                 if self.lookup is not None:
                     t_l = time.perf_counter()
-                    branch = self.lookup.lookup(min(cfg.lookup, max_depth))
-                    tree, n_new = merge_branch(tree, branch, max_new=(len(tree) - 1) // 2)
+                    k = min(cfg.lookup, max_depth)
+                    half = (len(tree) - 1) // 2            # the branches take at most half the tree
+                    branch = self.lookup.lookup(k)
+                    tree, n_new = merge_branch(tree, branch, max_new=half)
+                    if self.store is not None and half > n_new:
+                        tree, n_store = merge_branch(tree, self.store.lookup(
+                            self.lookup.tokens[-SORT_DEPTH:], k, cfg.lookup_store_min_n),
+                                                     max_new=half - n_new, keep=branch)
+                        n_new += n_store
                     timing = {**timing, "build": timing.get("build", 0.0) + (time.perf_counter() - t_l) * 1e3}
                 if tree.max_depth > max_depth:
                     tree = tree.truncate_depth(max_depth)
@@ -111,6 +121,7 @@ class GenerationStream:
             stage["commit"] += (t3 - t2) * 1e3
             accepted_per_round.append(len(path) - 1)
             lookup_accepted += sum(i >= len(tree) - n_new for i in path[1:])
+            store_accepted += sum(i >= len(tree) - n_store for i in path[1:])
             tree_depths.append(tree.max_depth)
             if "budget" in info:
                 budgets.append(info["budget"])
@@ -133,6 +144,8 @@ class GenerationStream:
             finish, len(self.prompt_ids)))
         if self.lookup is not None:
             self.result.stats["lookup_accepted"] = lookup_accepted
+        if self.store is not None:
+            self.result.stats["store_accepted"] = store_accepted
 
     def _append(self, out: list[int], new: list[int], eos: set[int]) -> str | None:
         for t in new:

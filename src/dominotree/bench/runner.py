@@ -218,7 +218,7 @@ def run_one(target, drafters, spec, prompt: Prompt, temperature: float, cost_mod
         "tau": stats.get("tau"), "rounds": stats.get("rounds"),
         "per_position_acceptance": stats.get("per_position_acceptance", []),
         "stage_ms": stats.get("stage_ms", {}), "budgets": stats.get("budgets", []),
-        "lookup_accepted": stats.get("lookup_accepted"),
+        "lookup_accepted": stats.get("lookup_accepted"), "store_accepted": stats.get("store_accepted"),
         "finish_reason": finish, "config": opts, "token_ids": tokens, "text": target.decode(tokens), "equality": None,
     }
 

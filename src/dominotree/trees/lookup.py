@@ -56,26 +56,25 @@ def lookup_reference(tokens: list[int], k: int, max_n: int = 3, min_n: int = 1) 
     return []
 
 
-def merge_branch(tree: DraftTree, branch: list[int], max_new: int | None = None) -> tuple[DraftTree, int]:
+def merge_branch(tree: DraftTree, branch: list[int], max_new: int | None = None,
+                 keep: list[int] | None = None) -> tuple[DraftTree, int]:
     """The tree with the path root -> branch[0] -> branch[1] -> ... in it, at the same size.
 
     Returns the tree and how many branch nodes are new; they are its last nodes (their score is
     the score of the node they hang from: the drafter did not score them). The branch is cut to at
-    most `max_new` new nodes and to what the tree has off the branch to give up."""
+    most `max_new` new nodes and to what the tree has off the branch to give up. The path of `keep`
+    (an earlier branch, as far as the tree holds it) is never given up."""
     kids = [dict() for _ in range(len(tree))]
     tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
     for i in range(1, len(tree)):
         kids[parents[i]].setdefault(tokens[i], i)
-    node, shared = 0, {0}
-    for used, t in enumerate(branch):
-        nxt = kids[node].get(int(t))
-        if nxt is None:
-            break
-        node = nxt
-        shared.add(nxt)
-    else:
+    shared, used = _walk(kids, branch)
+    if used == len(branch):
         return tree, 0
-    room = len(tree) - len(shared) if max_new is None else min(max_new, len(tree) - len(shared))
+    node = shared[-1]
+    pinned = set(shared) | set(_walk(kids, keep or [])[0])
+    spare = len(tree) - len(pinned)
+    room = spare if max_new is None else min(max_new, spare)
     novel = [int(t) for t in branch[used:]][:max(room, 0)]
     if not novel:
         return tree, 0
@@ -84,7 +83,7 @@ def merge_branch(tree: DraftTree, branch: list[int], max_new: int | None = None)
     # went becomes a leaf itself); ties drop the later node first
     n_kids = [len(k) for k in tree.children()]
     scores = tree.scores.tolist()
-    heap = [(scores[i], -i) for i in range(1, len(tree)) if n_kids[i] == 0 and i not in shared]
+    heap = [(scores[i], -i) for i in range(1, len(tree)) if n_kids[i] == 0 and i not in pinned]
     heapq.heapify(heap)
     dropped = set()
     while len(dropped) < len(novel):
@@ -93,7 +92,7 @@ def merge_branch(tree: DraftTree, branch: list[int], max_new: int | None = None)
         dropped.add(i)
         p = parents[i]
         n_kids[p] -= 1
-        if n_kids[p] == 0 and p not in shared:
+        if n_kids[p] == 0 and p not in pinned:
             heapq.heappush(heap, (scores[p], -p))
 
     keep = [i for i in range(len(tree)) if i not in dropped]
@@ -108,3 +107,14 @@ def merge_branch(tree: DraftTree, branch: list[int], max_new: int | None = None)
                        torch.tensor(new_scores, dtype=torch.float32))
     return merged, len(novel)
 
+
+
+def _walk(kids: list[dict], branch: list[int]) -> tuple[list[int], int]:
+    """The nodes root -> ... along `branch` that the tree already has, and how many tokens matched."""
+    nodes = [0]
+    for t in branch:
+        nxt = kids[nodes[-1]].get(int(t))
+        if nxt is None:
+            break
+        nodes.append(nxt)
+    return nodes, len(nodes) - 1
