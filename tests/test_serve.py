@@ -10,6 +10,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
 import pytest
 
 httpx = pytest.importorskip("httpx")
@@ -276,3 +277,17 @@ def test_server_wide_lookup_reaches_each_request_and_bad_values_fail_at_start(ti
     assert srv.parse({**body, "method": "ar"}, chat=True)[0].lookup == 0     # plain decoding has no tree
     with pytest.raises(ValueError, match="lookup"):
         Server(tiny_target, random_drafter(True), "dominotree", MODEL, lookup=-1)
+    with pytest.raises(ValueError, match="needs lookup=N > 0"):
+        Server(tiny_target, random_drafter(True), "dominotree", MODEL, lookup_store="train-data")
+    with pytest.raises(FileNotFoundError, match="not a directory of training shards"):
+        Server(tiny_target, random_drafter(True), "dominotree", MODEL, lookup=4, lookup_store="/nonexistent")
+
+
+def test_server_wide_lookup_store_reaches_each_request(tiny_target, tmp_path):
+    from dominotree.serve import Server
+    from dominotree.train.data import Sequence, write_shard
+    write_shard(tmp_path / "shard_00000.npz", [Sequence(np.array([1, 5, 6, 7, 8, 9]), 1, "test")])
+    srv = Server(tiny_target, random_drafter(True), "dominotree", MODEL, lookup=4, lookup_store=str(tmp_path))
+    body = {"messages": [{"role": "user", "content": "hi"}], "temperature": 0}
+    assert srv.parse(body, chat=True)[0].lookup_store == str(tmp_path)
+    assert srv.parse({**body, "method": "ar"}, chat=True)[0].lookup_store is None

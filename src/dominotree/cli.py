@@ -161,6 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--lookup", type=int, default=0, help="prompt-lookup branch of up to N tokens per tree (0: off)")
+    s.add_argument("--lookup-store", default=None, help="with --lookup: a datastore branch too (see generate)")
     s.set_defaults(func=cmd_serve)
     return p
 

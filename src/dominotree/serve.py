@@ -23,6 +23,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import dominotree as dt
+from dominotree.trees.datastore import load_store, resolve_store
 
 DEFAULT_MAX_TOKENS = 256
 
@@ -132,14 +133,17 @@ class _Run:
 
 
 class Server:
-    def __init__(self, target, drafter, method: str, model_name: str, lookup: int = 0):
+    def __init__(self, target, drafter, method: str, model_name: str, lookup: int = 0,
+                 lookup_store: str | None = None):
         if method not in dt.METHODS:
             raise ValueError(f"unknown method {method!r}")
         if method != "ar" and drafter is None:
             raise ValueError(f"method {method!r} needs a drafter")
-        dt.SpecConfig(method=method, lookup=lookup)     # a bad server-wide option fails at start-up
+        dt.SpecConfig(method=method, lookup=lookup, lookup_store=lookup_store)   # bad server-wide options
+        if lookup_store is not None:                                            # fail at start-up
+            load_store(str(resolve_store(lookup_store, target.name)))
         self.target, self.drafter, self.method, self.model_name = target, drafter, method, model_name
-        self.lookup = lookup
+        self.lookup, self.lookup_store = lookup, lookup_store
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="dominotree-model")
         self.lock = asyncio.Lock()
         self.created = int(time.time())
@@ -179,7 +183,8 @@ class Server:
         try:
             cfg = dt.SpecConfig(method=method, max_new_tokens=max_tokens, temperature=float(temperature),
                                 top_p=float(_field(body, "top_p", "number", 1.0)), seed=seed, stop=stop, raw=not chat,
-                                lookup=0 if method == "ar" else self.lookup)
+                                lookup=0 if method == "ar" else self.lookup,
+                                lookup_store=None if method == "ar" else self.lookup_store)
         except ValueError as e:
             param = str(e).split()[0].replace("max_new_tokens", "max_tokens")
             raise APIError(400, str(e).replace("max_new_tokens", "max_tokens"), param, "invalid_value") from None
@@ -312,10 +317,10 @@ class Server:
 
 
 def create_app(target, drafter, method: str = "dominotree", model_name: str | None = None,
-               lookup: int = 0) -> FastAPI:
+               lookup: int = 0, lookup_store: str | None = None) -> FastAPI:
     """The ASGI app serving `target` (+ `drafter`) with `method` (and a prompt-lookup branch of
-    `lookup` tokens, 0: none) under the name `model_name`."""
-    srv = Server(target, drafter, method, model_name or str(target.name), lookup)
+    `lookup` tokens, 0: none, plus a datastore branch from `lookup_store`) under the name `model_name`."""
+    srv = Server(target, drafter, method, model_name or str(target.name), lookup, lookup_store)
     app = FastAPI(title="dominotree", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = srv
 
@@ -365,7 +370,7 @@ def main(args) -> int:
     target = dt.load_target(args.model, dtype=args.dtype, pack=pack)
     drafter = None if args.method == "ar" else dt.load_drafter(args.drafter, target=target, pack=pack)
     name = os.path.basename(os.path.normpath(args.model)) if os.path.isdir(args.model) else args.model
-    app = create_app(target, drafter, args.method, name, lookup=args.lookup)
+    app = create_app(target, drafter, args.method, name, lookup=args.lookup, lookup_store=args.lookup_store)
     print(f"dominotree: serving {name} with {args.method} on http://{args.host}:{args.port}/", file=sys.stderr)
     uvicorn.run(app, host=args.host, port=args.port, log_level="info")
     return 0
