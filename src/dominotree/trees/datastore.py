@@ -8,8 +8,8 @@ suffix array over those responses, sorted by their first `SORT_DEPTH` tokens; a 
 longest suffix of the context (down to `min_n` tokens) that occurs in it and follows the
 continuation most of the occurrences agree on, token by token. The engine's default `min_n` is 4
 (`lookup_store_min_n`): with 2, the short matches' branches displaced better drafter nodes (GSM tau
-3.50 -> 3.22 at budget 8; docs/RESULTS.md). Verification is unchanged, so
-the branch only decides which tokens the target gets to check."""
+3.50 -> 3.22 at budget 8; docs/RESULTS.md). Verification is unchanged, so the branch only decides
+which tokens the target gets to check."""
 from __future__ import annotations
 
 from bisect import bisect_left, bisect_right
@@ -24,12 +24,10 @@ MAX_VOTERS = 4096     # occurrences that vote on a continuation (an even sample 
 
 
 class Datastore:
-    def __init__(self, tokens: np.ndarray, suffixes: np.ndarray | None = None):
-        self.tokens = np.asarray(tokens, dtype=np.int32)
+    def __init__(self, tokens: np.ndarray):
+        self.tokens = np.asarray(tokens, dtype=np.int32)       # responses, SEP after each
         self._padded = np.concatenate([self.tokens, np.full(SORT_DEPTH + 1, SEP, np.int32)])
-        self.suffixes = self._sort_suffixes() if suffixes is None else np.asarray(suffixes, dtype=np.int32)
-        if len(self.suffixes) != len(self.tokens):
-            raise ValueError("suffix array does not match the datastore's tokens")
+        self.suffixes = self._sort_suffixes()
 
     def __len__(self) -> int:
         return len(self.tokens)
