@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
+from .trees.datastore import SORT_DEPTH
+
 METHODS = ("ar", "dflash", "domino", "ddtree", "caddtree", "dominotree", "condadaptive")
 TREE_METHODS = ("ddtree", "caddtree", "dominotree", "condadaptive")
 DRAFT_METHODS = METHODS[1:]
@@ -31,7 +33,7 @@ class SpecConfig:
     lookup_ngram: int = 3              # longest context suffix the lookup matches (down to 1 token)
     lookup_store: str | None = None    # also a branch copied from text the target wrote before:
                                        # "train-data" (its committed training responses) or a shard dir
-    lookup_store_min_n: int = 4        # shortest context suffix the datastore matches (up to 8)
+    lookup_store_min_n: int = 4        # shortest context suffix the datastore matches (up to SORT_DEPTH, 8)
 
     def __post_init__(self):
         self.validate()
@@ -67,8 +69,8 @@ class SpecConfig:
             raise ValueError(f"lookup_ngram must be an integer >= 1, got {self.lookup_ngram!r}")
         if self.lookup_store is not None and not self.lookup:
             raise ValueError("lookup_store adds a second lookup branch; it needs lookup=N > 0 (the branch length)")
-        if not isinstance(self.lookup_store_min_n, int) or not 1 <= self.lookup_store_min_n <= 8:
-            raise ValueError(f"lookup_store_min_n must be an integer in 1..8, got {self.lookup_store_min_n!r}")
+        if not isinstance(self.lookup_store_min_n, int) or not 1 <= self.lookup_store_min_n <= SORT_DEPTH:
+            raise ValueError(f"lookup_store_min_n must be an integer in 1..{SORT_DEPTH}, got {self.lookup_store_min_n!r}")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
 

@@ -9,7 +9,7 @@ import torch
 
 from .config import DRAFT_METHODS, SpecConfig
 from .proposers import make_proposer
-from .trees.datastore import SORT_DEPTH, load_store, resolve_store
+from .trees.datastore import SORT_DEPTH, store_for
 from .trees.lookup import NgramIndex, merge_branch
 from .trees.tree import DraftTree
 from .verify import accept, pick_token
@@ -45,7 +45,7 @@ class GenerationStream:
             drafter.check_fits(target)
         self.proposer = make_proposer(cfg, target, drafter)
         self.lookup = NgramIndex(cfg.lookup_ngram) if cfg.lookup else None
-        self.store = load_store(str(resolve_store(cfg.lookup_store, target.name))) if cfg.lookup_store else None
+        self.store = store_for(cfg.lookup_store, target.name) if cfg.lookup_store else None
         self.result: GenerationResult | None = None
 
     def __iter__(self):

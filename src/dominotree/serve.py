@@ -23,7 +23,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import dominotree as dt
-from dominotree.trees.datastore import load_store, resolve_store
+from dominotree.trees.datastore import store_for
 
 DEFAULT_MAX_TOKENS = 256
 
@@ -141,7 +141,7 @@ class Server:
             raise ValueError(f"method {method!r} needs a drafter")
         dt.SpecConfig(method=method, lookup=lookup, lookup_store=lookup_store)   # bad server-wide options
         if lookup_store is not None:                                            # fail at start-up
-            load_store(str(resolve_store(lookup_store, target.name)))
+            store_for(lookup_store, target.name)
         self.target, self.drafter, self.method, self.model_name = target, drafter, method, model_name
         self.lookup, self.lookup_store = lookup, lookup_store
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="dominotree-model")

@@ -51,9 +51,13 @@ def write_shard(path: Path, seqs: list[Sequence]) -> None:
     tmp.rename(path)
 
 
+def shard_paths(data_dir: Path) -> list[Path]:
+    """The finished shards of a directory, in order (a shard being written is a .tmp.npz)."""
+    return sorted(p for p in Path(data_dir).glob("shard_*.npz") if not p.name.endswith(".tmp.npz"))
+
+
 def read_shards(data_dir: Path) -> list[Sequence]:
-    return [s for path in sorted(Path(data_dir).glob("shard_*.npz")) if not path.name.endswith(".tmp.npz")
-            for s in read_shard(path)]
+    return [s for path in shard_paths(data_dir) for s in read_shard(path)]
 
 
 def read_shard(path: Path) -> list[Sequence]:

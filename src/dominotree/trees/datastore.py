@@ -111,7 +111,8 @@ def lookup_reference(sequences, context, k: int, min_n: int = 4) -> list[int]:
 
 def shard_responses(data_dir: Path) -> np.ndarray:
     """Every response of a directory of training shards (train/data.py's format), SEP-separated."""
-    paths = sorted(p for p in Path(data_dir).glob("shard_*.npz") if not p.name.endswith(".tmp.npz"))
+    from ..train.data import shard_paths
+    paths = shard_paths(data_dir)
     if not paths:
         raise FileNotFoundError(f"no training shards (shard_*.npz) in {data_dir}")
     sep, parts = np.array([SEP], np.int32), []
@@ -144,3 +145,8 @@ def resolve_store(spec: str, target_name: str | None = None) -> Path:
 def load_store(data_dir: str) -> Datastore:
     """The datastore of a shard directory, built once per process (~2 s for 4.5M tokens)."""
     return Datastore(shard_responses(Path(data_dir)))
+
+
+def store_for(spec: str, target_name: str | None) -> Datastore:
+    """The datastore a `lookup_store` option names (see resolve_store), built or cached."""
+    return load_store(str(resolve_store(spec, target_name)))

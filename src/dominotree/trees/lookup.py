@@ -95,18 +95,17 @@ def merge_branch(tree: DraftTree, branch: list[int], max_new: int | None = None,
         if n_kids[p] == 0 and p not in pinned:
             heapq.heappush(heap, (scores[p], -p))
 
-    keep = [i for i in range(len(tree)) if i not in dropped]
-    remap = {old: new for new, old in enumerate(keep)}
-    new_tokens = [tokens[i] for i in keep] + novel
-    new_parents = [-1] + [remap[parents[i]] for i in keep[1:]]
-    new_parents += [remap[node]] + list(range(len(keep), len(keep) + len(novel) - 1))
-    new_scores = [scores[i] for i in keep] + [scores[node]] * len(novel)
+    kept = [i for i in range(len(tree)) if i not in dropped]
+    remap = {old: new for new, old in enumerate(kept)}
+    new_tokens = [tokens[i] for i in kept] + novel
+    new_parents = [-1] + [remap[parents[i]] for i in kept[1:]]
+    new_parents += [remap[node]] + list(range(len(kept), len(kept) + len(novel) - 1))
+    new_scores = [scores[i] for i in kept] + [scores[node]] * len(novel)
     depths = tree.depths.tolist()
-    new_depths = [depths[i] for i in keep] + [depths[node] + 1 + j for j in range(len(novel))]
+    new_depths = [depths[i] for i in kept] + [depths[node] + 1 + j for j in range(len(novel))]
     merged = DraftTree(torch.tensor(new_tokens), torch.tensor(new_parents), torch.tensor(new_depths),
                        torch.tensor(new_scores, dtype=torch.float32))
     return merged, len(novel)
-
 
 
 def _walk(kids: list[dict], branch: list[int]) -> tuple[list[int], int]:
