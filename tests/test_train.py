@@ -519,3 +519,22 @@ def test_anchor_fusion_grows_from_a_plain_drafter_and_round_trips(tiny_target, t
     with pytest.raises(ValueError, match="without anchor fusion"):
         train(tiny_target, store, TrainConfig(out=str(tmp_path / "x"), steps=1, init_from=str(tmp_path / "f" / "model"),
                                               **kw), progress=False)
+
+
+def test_a_run_stopped_by_its_time_limit_continues_to_the_same_weights(tiny_target, tiny_data, tmp_path):
+    _, store = tiny_data
+    kw = dict(steps=6, seqs_per_step=2, anchors_per_seq=4, num_layers=1, block_size=4, intermediate_size=64,
+              num_heads=4, num_kv_heads=2, mask_token_id=3, head=True, shift_label=True, emb_dim=16,
+              gru_hidden_dim=24, save_every=100, log_every=1, lr=3e-3)
+    whole = train(tiny_target, store, TrainConfig(out=str(tmp_path / "whole"), **kw), progress=False)
+    # a zero time limit stops after every step: six sittings make the same run
+    results = [train(tiny_target, store, TrainConfig(out=str(tmp_path / "pieces"), time_limit_s=0, **kw),
+                     progress=False) for _ in range(6)]
+    assert results[:5] == [None] * 5 and results[5] is not None
+    pieces = results[5]
+    for (name, a), (_, b) in zip(whole.backbone.state_dict().items(), pieces.backbone.state_dict().items()):
+        assert torch.equal(a, b), name
+    for (name, a), (_, b) in zip(whole.head.state_dict().items(), pieces.head.state_dict().items()):
+        assert torch.equal(a, b), name
+    logs = [[json.loads(l)["loss"] for l in open(tmp_path / r / "log.jsonl")] for r in ("whole", "pieces")]
+    assert logs[0] == logs[1] and len(logs[0]) == 6

@@ -36,6 +36,9 @@ class TrainConfig:
     seed: int = 0
     save_every: int = 200
     log_every: int = 10
+    # Stop (saving the state) at the first step that ends past this many seconds; running the same
+    # request again continues from there, so a long run can be spread over several sittings.
+    time_limit_s: float | None = None
     # architecture
     num_layers: int = 2
     layer_ids: list[int] | None = None     # target taps used, a subset of the feature store's (None: all)
@@ -101,6 +104,8 @@ def lr_at(step: int, tc: TrainConfig) -> float:
 
 
 def train(target, store: FeatureStore, tc: TrainConfig, progress: bool = True):
+    """Run (or continue, from tc.out's saved state) a training run; the trained drafter, or None
+    when tc.time_limit_s stopped it first."""
     from .domino import domino_loss
     if tc.freeze_backbone and not tc.head:
         raise ValueError("freeze_backbone trains the head only: it needs a Domino run with a head")
@@ -184,13 +189,19 @@ def train(target, store: FeatureStore, tc: TrainConfig, progress: bool = True):
             with open(log_file, "a") as f:
                 f.write(json.dumps(rec) + "\n")
             bar.set_postfix(loss=f"{rec['loss']:.3f}", acc_len=f"{metrics.get('accept_len_final', metrics['accept_len_base']):.2f}")
-        if step % tc.save_every == 0 or step == tc.steps:
+        out_of_time = tc.time_limit_s is not None and time.time() - t0 >= tc.time_limit_s
+        if step % tc.save_every == 0 or step == tc.steps or out_of_time:
             st = {"backbone": drafter.backbone.state_dict(), "opt": opt.state_dict(), "step": step,
                   "gen": gen.get_state()}
             if tc.head:
                 st["head"] = drafter.head.state_dict()
             torch.save(st, state_file.with_suffix(".tmp"))
             state_file.with_suffix(".tmp").rename(state_file)
+        if out_of_time and step < tc.steps:
+            bar.close()
+            print(f"train {out.name}: stopped at the time limit after step {step} of {tc.steps}; "
+                  "run the same command again to continue")
+            return None
     bar.close()
     for m in modules:
         m.eval()

@@ -103,6 +103,8 @@ def add_train_parser(sub) -> None:
                        help="bf16 autocast (fast with AMX) or plain fp32 (faster on CPUs without AMX); auto: by the CPU")
         r.add_argument("--vocab", choices=["data", "full"], default="data",
                        help="softmax of the loss over the tokens seen in the data (fast) or the whole vocabulary")
+        r.add_argument("--time-limit", type=float, default=None,
+                       help="stop (state saved) after the step that passes N seconds; the same command continues it")
         r.add_argument("--vocab-min-count", type=int, default=1,
                        help="with --vocab data: only tokens seen at least this often (labels rarer than that "
                             "are ignored; a narrower softmax makes a step faster on large data)")
@@ -191,8 +193,10 @@ def run_train(args, name: str, target=None):
         freeze_backbone=getattr(args, "freeze_backbone", False), head_from=getattr(args, "head_from", None),
         seed=getattr(args, "seed", 0), precision=resolve_precision(getattr(args, "precision", "auto")),
         anchor_fusion=getattr(args, "anchor_fusion", False),
-        pure_draft_prefix_len=getattr(args, "prefix_len", RECIPE["prefix_len"]))
-    train(target, store, tc)
+        pure_draft_prefix_len=getattr(args, "prefix_len", RECIPE["prefix_len"]),
+        time_limit_s=getattr(args, "time_limit", None))
+    if train(target, store, tc) is None:
+        return None         # stopped at the time limit; the run dir holds the state to continue from
     return Path(tc.out) / "model"
 
 
