@@ -370,7 +370,7 @@ def test_train_all_runs_every_stage_and_bundles_the_drafters(tiny_llama_dir, tin
     work = tmp_path / "w"
     assert not (work / "features" / "topk_ids.npy").exists()       # no soft labels: the recipe does not distill
     from dominotree.train.precision import resolve_precision
-    want = {"bf16": "torch.bfloat16", "fp32": "torch.float32"}[resolve_precision("auto", inference=True)]
+    want = {"bf16": "torch.bfloat16", "fp32": "torch.float32"}[resolve_precision("auto")]
     assert json.loads((work / "features" / "features.json").read_text())["target_dtype"] == want
     assert json.loads((work / "dflash" / "train_config.json").read_text())["precision"] == resolve_precision("auto")
     # each stage starts from the one before it, with its own loss weighting

@@ -71,8 +71,8 @@ def add_train_parser(sub) -> None:
     f.add_argument("--topk", type=int, default=RECIPE["topk"],
                    help="also cache the target's top-k (soft labels for --distill; the recipe's 0: none, the top-8 adds ~50%% to the pass)")
     f.add_argument("--precision", choices=CHOICES, default="auto",
-                   help="the target's dtype for the pass (auto: bf16 where the CPU has AMX or AVX-512 bf16, whose "
-                        "packed bf16 linears ran ~3.5x fp32 on an AMD EPYC; else fp32)")
+                   help="the target's dtype for the pass (auto: bf16 with AMX or where a timed bf16 product is "
+                        "clearly faster than fp32, as on an AMD EPYC: ~3.5x; else fp32)")
     f.add_argument("--add-topk", action="store_true", help="only add the top-k to the existing feature store")
     f.add_argument("--time-limit", type=float, default=None,
                    help="start no new batch after N seconds; the pass resumes where it stopped when run again")
@@ -101,7 +101,8 @@ def add_train_parser(sub) -> None:
                        help="weight of the target's top-k soft labels in the loss (needs features --topk)")
         r.add_argument("--gamma", type=float, default=RECIPE["gamma"], help="per-depth loss decay exp(-(d-1)/gamma)")
         r.add_argument("--precision", choices=CHOICES, default="auto",
-                       help="bf16 autocast (fast with AMX) or plain fp32 (faster on CPUs without AMX); auto: by the CPU")
+                       help="bf16 autocast or plain fp32; auto: bf16 with AMX or where a timed bf16 product is clearly "
+                            "faster (an AMD EPYC: 2x per step), else fp32 (a Xeon without AMX: bf16 slower)")
         r.add_argument("--vocab", choices=["data", "full"], default="data",
                        help="softmax of the loss over the tokens seen in the data (fast) or the whole vocabulary")
         r.add_argument("--time-limit", type=float, default=None,
@@ -139,8 +140,8 @@ def add_train_parser(sub) -> None:
     common(a)
     a.add_argument("--num-prompts", type=int, default=12000)
     a.add_argument("--precision", choices=CHOICES, default="auto",
-                   help="features and training (data is always written in bf16); auto: by the CPU, per stage "
-                        "(features: bf16 with AMX or AVX-512 bf16; training: bf16 with AMX), else fp32")
+                   help="features and training (data is always written in bf16); auto: bf16 with AMX or where "
+                        "a timed bf16 product is clearly faster than fp32, else fp32")
 
 
 def _target(args):
@@ -161,7 +162,7 @@ def run_features(args, target=None):
     import dominotree as dt
     from ..target import DTYPES
     from .features import FeatureStore, build_feature_store, build_target_topk
-    dtype = DTYPES[resolve_precision(getattr(args, "precision", "auto"), inference=True)]
+    dtype = DTYPES[resolve_precision(getattr(args, "precision", "auto"))]
     if target is None or target.dtype != dtype:     # `train all` hands over its bf16 data writer
         target = dt.load_target(args.model, dtype=dtype)
     root, topk = Path(args.workdir) / "features", getattr(args, "topk", RECIPE["topk"])
