@@ -197,12 +197,13 @@ def train(target, store: FeatureStore, tc: TrainConfig, progress: bool = True):
                 st["head"] = drafter.head.state_dict()
             torch.save(st, state_file.with_suffix(".tmp"))
             state_file.with_suffix(".tmp").rename(state_file)
-        if out_of_time and step < tc.steps:
-            bar.close()
-            print(f"train {out.name}: stopped at the time limit after step {step} of {tc.steps}; "
-                  "run the same command again to continue")
-            return None
+        if out_of_time:
+            break
     bar.close()
+    if step < tc.steps:
+        print(f"train {out.name}: stopped at the time limit after step {step} of {tc.steps}; "
+              "run the same command again to continue")
+        return None
     for m in modules:
         m.eval()
     save_checkpoint(drafter, out / "model")
