@@ -455,6 +455,11 @@ def test_committed_shards_are_reused_not_regenerated(tiny_target, tiny_data, tmp
     made.clear()
     generate_data(tiny_target, tmp_path / "fewer", seed_dir=seeds, **{**kw, "num_prompts": 40})
     assert len(made) == 2 and len(read_shards(tmp_path / "fewer")) == 40
+    # growing the data again completes that short last shard (here a copy of the seed's), keeps the others
+    made.clear()
+    generate_data(tiny_target, tmp_path / "fewer", seed_dir=seeds, **kw)
+    assert not made and len(read_shards(tmp_path / "fewer")) == 48
+    assert (tmp_path / "fewer" / "shard_00002.npz").read_bytes() == (seeds / "shard_00002.npz").read_bytes()
 
 
 @pytest.mark.parametrize("fusion", [False, True])

@@ -85,9 +85,9 @@ def generate_data(target, out: Path, num_prompts: int = 6000, shard_size: int = 
     bar = tqdm(range(n_shards), desc="train data (shards)")
     for k in bar:
         path = shard_path(out, k)
-        if path.exists():
-            continue
         rows = prompts[k * shard_size:(k + 1) * shard_size]
+        if _shard_rows(path) >= len(rows):
+            continue            # written already; a last shard cut short by a smaller num_prompts is redone
         if seeds is not None and _seed_shard_fits(shard_path(seeds, k), len(rows)):
             shutil.copyfile(shard_path(seeds, k), path)      # a copy costs nothing: past the time limit too
             continue
@@ -115,11 +115,16 @@ def _matching_seed_dir(seed_dir: Path | None, meta: dict) -> Path | None:
     return Path(seed_dir) if same else None
 
 
-def _seed_shard_fits(path: Path, rows: int) -> bool:
+def _shard_rows(path: Path) -> int:
+    """Prompts a shard holds (0 if it does not exist)."""
     if not path.is_file():
-        return False
+        return 0
     with np.load(path) as z:
-        return len(z["prompt_lens"]) == rows     # a shard cut short by a smaller num_prompts is not reused
+        return len(z["prompt_lens"])
+
+
+def _seed_shard_fits(path: Path, rows: int) -> bool:
+    return _shard_rows(path) == rows     # a shard cut short by a smaller num_prompts is not reused
 
 
 @torch.inference_mode()
