@@ -11,7 +11,7 @@ import dominotree as dt
 from dominotree.train.blocks import make_batch
 from dominotree.train.data import generate_data, read_shards
 from dominotree.train.dflash import TrainConfig, train
-from dominotree.train.features import build_feature_store
+from dominotree.train.features import FeatureStore, build_feature_store
 
 
 @pytest.fixture(scope="module")
@@ -365,7 +365,7 @@ def test_train_all_runs_every_stage_and_bundles_the_drafters(tiny_llama_dir, tin
     monkeypatch.setattr(pipeline, "STAGES", [(run, trainer, {**o, "steps": 3}, start)
                                              for run, trainer, o, start in pipeline.STAGES])
     args = argparse.Namespace(stage="all", model=str(tiny_llama_dir), workdir=str(tmp_path / "w"), num_prompts=8,
-                              max_new_tokens=24)
+                              grown_prompts=12, max_new_tokens=24)
     assert pipeline.main(args) == 0
     work = tmp_path / "w"
     assert not (work / "features" / "topk_ids.npy").exists()       # no soft labels: the recipe does not distill
@@ -380,6 +380,9 @@ def test_train_all_runs_every_stage_and_bundles_the_drafters(tiny_llama_dir, tin
         assert cfg["init_from"] == (str(work / start / "model") if start else None)
         if "head_from" in overrides:
             assert cfg["head_from"] == str(work / overrides["head_from"] / "model") and cfg["freeze_backbone"]
+        assert cfg["vocab_min_count"] == overrides.get("vocab_min_count", 1)
+    # the last stages trained on the grown data: its short shard was completed and featurised
+    assert len(read_shards(work / "data")) == 12 and len(FeatureStore(work / "features")) > 8
     dflash = dt.load_drafter(str(tmp_path / "ckpt" / "smollm2-135m-dflash"), target=tiny_target)
     domino = dt.load_drafter(str(tmp_path / "ckpt" / "smollm2-135m-domino"), target=tiny_target)
     assert not hasattr(dflash, "head") and hasattr(domino, "head")

@@ -27,7 +27,9 @@ RECIPE = dict(layer_ids=[1, 14, 27], num_layers=2, block_size=16, emb_dim=128, g
 # the continued head retrained alone on a DFlash backbone kept fixed, so its base logits are the
 # DFlash drafter's and the head only adds the path correction. The last two stages ran once `train
 # data` had written all 12,000 prompts: the DFlash backbone continued (new batch order), then the
-# bundled head retrained alone on it.
+# head retrained alone on it. The bundled pair (twenty-third session) continues that backbone for 6,000
+# steps over the data grown to all 25,856 prompts (`grow_data`: `train data` and `train features`
+# extend the store first) and trains the head alone on it from the previous head.
 STAGES = [
     ("dflash", "dflash", dict(steps=RECIPE["dflash_steps"], gamma=7.0, lr=1e-3), None),
     ("dflash_ft", "dflash", dict(steps=RECIPE["dflash_steps"], gamma=2.0, lr=5e-4), "dflash"),
@@ -42,8 +44,12 @@ STAGES = [
     ("dflash_ft4", "dflash", dict(steps=2000, gamma=2.0, lr=2e-4, seed=1), "dflash_ft3"),
     ("domino_head3", "domino", dict(steps=1000, gamma=7.0, lr=5e-4, freeze_backbone=True, head_from="domino_head2"),
      "dflash_ft4"),
+    ("dflash_cap", "dflash", dict(steps=6000, gamma=2.0, lr=5e-4, seed=21, vocab_min_count=5, grow_data=True),
+     "dflash_ft4"),
+    ("domino_cap", "domino", dict(steps=800, gamma=7.0, lr=5e-4, seed=3, vocab_min_count=5, freeze_backbone=True,
+                                  head_from="domino_head3"), "dflash_cap"),
 ]
-BUNDLED = {"dflash_ft4": "smollm2-135m-dflash", "domino_head3": "smollm2-135m-domino"}
+BUNDLED = {"dflash_cap": "smollm2-135m-dflash", "domino_cap": "smollm2-135m-domino"}
 
 
 def add_train_parser(sub) -> None:
@@ -139,6 +145,8 @@ def add_train_parser(sub) -> None:
     a = ts.add_parser("all", help="data -> features -> dflash -> domino -> checkpoints/")
     common(a)
     a.add_argument("--num-prompts", type=int, default=12000)
+    a.add_argument("--grown-prompts", type=int, default=25856,
+                   help="the data the last stages train on (written and featurised once they are reached)")
     a.add_argument("--precision", choices=CHOICES, default="auto",
                    help="features and training (data is always written in bf16); auto: bf16 with AMX or where "
                         "a timed bf16 product is clearly faster than fp32, else fp32")
@@ -220,6 +228,11 @@ def main(args) -> int:
         run_features(args, target)
         models = {}
         for run, trainer, overrides, start in STAGES:
+            if overrides.get("grow_data") and args.grown_prompts > args.num_prompts:
+                grown = argparse.Namespace(**{**vars(args), "num_prompts": args.grown_prompts})
+                run_data(grown, target)
+                run_features(grown, target)
+            overrides = {k: v for k, v in overrides.items() if k != "grow_data"}
             if "head_from" in overrides:   # names an earlier stage
                 overrides = {**overrides, "head_from": str(models[overrides["head_from"]])}
             ns = argparse.Namespace(**{**vars(args), **overrides}, out=str(Path(args.workdir) / run),
