@@ -30,7 +30,7 @@ RECIPE = dict(layer_ids=[1, 14, 27], num_layers=2, block_size=16, emb_dim=128, g
 # head retrained alone on it. The bundled pair (twenty-third session) continues that backbone for 6,000
 # steps over the data grown to all 25,856 prompts (`grow_data`: `train data` and `train features`
 # extend the store first) and trains the head alone on it from the previous head; the pair bundled
-# since the twenty-fourth session runs that continuation once more (6,000 steps, lower rate, new batch
+# since the twenty-fifth session runs that continuation once more (6,000 steps, lower rate, new batch
 # order: it still underfitted) and the head again on the result.
 STAGES = [
     ("dflash", "dflash", dict(steps=RECIPE["dflash_steps"], gamma=7.0, lr=1e-3), None),
