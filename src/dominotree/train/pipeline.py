@@ -29,9 +29,9 @@ RECIPE = dict(layer_ids=[1, 14, 27], num_layers=2, block_size=16, emb_dim=128, g
 # data` had written all 12,000 prompts: the DFlash backbone continued (new batch order), then the
 # head retrained alone on it. The bundled pair (twenty-third session) continues that backbone for 6,000
 # steps over the data grown to all 25,856 prompts (`grow_data`: `train data` and `train features`
-# extend the store first) and trains the head alone on it from the previous head; the pair bundled
-# since the twenty-fifth session runs that continuation once more (6,000 steps, lower rate, new batch
-# order: it still underfitted) and the head again on the result.
+# extend the store first) and trains the head alone on it from the previous head; the next two pairs
+# (bundled in the twenty-fifth and twenty-sixth sessions) run that continuation once more each (6,000
+# steps, lower rate, new batch order: it still underfitted) and the head again on each result.
 STAGES = [
     ("dflash", "dflash", dict(steps=RECIPE["dflash_steps"], gamma=7.0, lr=1e-3), None),
     ("dflash_ft", "dflash", dict(steps=RECIPE["dflash_steps"], gamma=2.0, lr=5e-4), "dflash"),
@@ -53,8 +53,11 @@ STAGES = [
     ("dflash_cap2", "dflash", dict(steps=6000, gamma=2.0, lr=3e-4, seed=23, vocab_min_count=5), "dflash_cap"),
     ("domino_cap2", "domino", dict(steps=800, gamma=7.0, lr=5e-4, seed=3, vocab_min_count=5, freeze_backbone=True,
                                    head_from="domino_cap"), "dflash_cap2"),
+    ("dflash_cap3", "dflash", dict(steps=6000, gamma=2.0, lr=3e-4, seed=25, vocab_min_count=5), "dflash_cap2"),
+    ("domino_cap3", "domino", dict(steps=800, gamma=7.0, lr=5e-4, seed=3, vocab_min_count=5, freeze_backbone=True,
+                                   head_from="domino_cap2"), "dflash_cap3"),
 ]
-BUNDLED = {"dflash_cap2": "smollm2-135m-dflash", "domino_cap2": "smollm2-135m-domino"}
+BUNDLED = {"dflash_cap3": "smollm2-135m-dflash", "domino_cap3": "smollm2-135m-domino"}
 
 
 def add_train_parser(sub) -> None:
