@@ -113,8 +113,11 @@ def profile(target, drafter, max_nodes: int = 64, contexts=(128, 512, 1024), rep
             parents = [-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, n + 1)]
             trees[n] = DraftTree.from_lists(torch.randint(3, V, (n + 1,), generator=g).tolist(), parents)
         samples[ctx] = {n: [] for n in trees}
-        for n in (1, max_nodes):                      # warm-up: the first calls of a shape are slow
-            _timed_verify(target, trees[n], ctx, drafter is not None)
+        # warm-up: the first call of each shape is slow (oneDNN builds its kernels per input shape, and
+        # every tree size is a new shape); an unwarmed size's median would carry that one-off cost, and
+        # the monotone fit would spread a slow small size over every larger one
+        for tree in trees.values():
+            _timed_verify(target, tree, ctx, drafter is not None)
         # one pass over every n per repeat: a burst of load from elsewhere hits one sample of many
         # sizes (which the median drops), not every sample of a few sizes (which it cannot)
         for _ in range(repeats):
