@@ -251,3 +251,21 @@ def test_profile_warms_every_tree_size_before_timing_it(tiny_target, monkeypatch
     cm = caddtree.profile(tiny_target, random_drafter(False, seed=1), max_nodes=8, contexts=(8,), repeats=2,
                           progress=False)
     assert max(cm.curves[8]) < 10, cm.curves[8]   # ~2 ms warm; ~25 ms when the cold calls are timed
+
+
+def test_profile_draft_cost_survives_a_burst_of_slow_calls(tiny_target, monkeypatch):
+    """A few slow drafts (load from elsewhere) must not set C_draft: its samples span the whole profile."""
+    import time as _time
+    from conftest import random_drafter
+    from dominotree.trees import caddtree
+    drafter = random_drafter(False, seed=1)
+    calls, draft = [0], drafter.draft
+
+    def burst(*a, **kw):
+        calls[0] += 1
+        if calls[0] <= 4:                   # the warm-up and the next three calls are 60 ms slower
+            _time.sleep(0.06)
+        return draft(*a, **kw)
+    monkeypatch.setattr(drafter, "draft", burst)
+    cm = caddtree.profile(tiny_target, drafter, max_nodes=8, contexts=(8,), repeats=2, progress=False)
+    assert calls[0] > 8 and cm.c_draft < 10, (calls[0], cm.c_draft)

@@ -103,11 +103,7 @@ def profile(target, drafter, max_nodes: int = 64, contexts=(128, 512, 1024), rep
         if drafter is not None:
             drafter.reset()
             drafter.add_context(pre.features, 0)
-            for _ in range(repeats + 1):
-                t0 = time.perf_counter()
-                drafter.draft(int(prompt[-1]), ctx, target)
-                draft_times.append((time.perf_counter() - t0) * 1e3)
-            draft_times.pop(-repeats - 1)   # warm-up
+            _timed_draft(drafter, int(prompt[-1]), ctx, target)     # warm-up
         trees = {}
         for n in range(1, max_nodes + 1):
             parents = [-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, n + 1)]
@@ -119,15 +115,25 @@ def profile(target, drafter, max_nodes: int = 64, contexts=(128, 512, 1024), rep
         for tree in trees.values():
             _timed_verify(target, tree, ctx, drafter is not None)
         # one pass over every n per repeat: a burst of load from elsewhere hits one sample of many
-        # sizes (which the median drops), not every sample of a few sizes (which it cannot)
+        # sizes (which the median drops), not every sample of a few sizes (which it cannot); a draft
+        # is timed before each verify, so its samples are spread over the whole profile the same way
         for _ in range(repeats):
             for n, tree in trees.items():
+                if drafter is not None:
+                    draft_times.append(_timed_draft(drafter, int(prompt[-1]), ctx, target))
                 samples[ctx][n].append(_timed_verify(target, tree, ctx, drafter is not None))
                 bar.update()
     bar.close()
     target.reset()
     c_draft = statistics.median(draft_times) if draft_times else 0.0
     return CostModel.fit(c_draft, samples)
+
+
+def _timed_draft(drafter, last_token: int, ctx: int, target) -> float:
+    """ms of one draft from the drafter's context of ctx tokens (drafting leaves that context as it was)."""
+    t0 = time.perf_counter()
+    drafter.draft(last_token, ctx, target)
+    return (time.perf_counter() - t0) * 1e3
 
 
 def _timed_verify(target, tree: DraftTree, ctx: int, features: bool) -> float:
