@@ -1,6 +1,7 @@
 """Tree builders against brute force on tiny vocabularies; the fast builder against the reference."""
 import itertools
 import math
+import time
 
 import pytest
 import torch
@@ -8,7 +9,7 @@ import torch.nn.functional as F
 
 from conftest import drafter_config
 from dominotree.drafters import DominoHead
-from dominotree.trees.caddtree import CostModel, build_caddtree, monotone_convex_fit
+from dominotree.trees.caddtree import CostModel, build_caddtree, monotone_convex_fit, profile
 from dominotree.trees.ddtree import build_ddtree
 from dominotree.trees.dominotree import build_dominotree
 from dominotree.trees.fast import build_dominotree_fast
@@ -223,7 +224,6 @@ def test_tree_helpers():
 def test_profile_measures_every_tree_size_and_leaves_the_target_clean(tiny_target):
     import dominotree as dt
     from conftest import random_drafter
-    from dominotree.trees.caddtree import profile
     drafter = random_drafter(False, seed=1)
     before = dt.generate(tiny_target, drafter, [5, 6, 7], method="ddtree", max_new_tokens=12).token_ids
     cm = profile(tiny_target, drafter, max_nodes=6, contexts=(8, 24), repeats=2, progress=False)
@@ -237,35 +237,31 @@ def test_profile_measures_every_tree_size_and_leaves_the_target_clean(tiny_targe
 
 def test_profile_warms_every_tree_size_before_timing_it(tiny_target, monkeypatch):
     """A shape's first verify is slow on CPU (kernel creation); that one-off cost must not enter the curve."""
-    import time as _time
     from conftest import random_drafter
-    from dominotree.trees import caddtree
     seen, verify = set(), tiny_target.verify
 
     def cold_first_call(tree, **kw):
         if len(tree) not in seen:       # 60 ms more on the first call of each tree size only
             seen.add(len(tree))
-            _time.sleep(0.06)
+            time.sleep(0.06)
         return verify(tree, **kw)
     monkeypatch.setattr(tiny_target, "verify", cold_first_call)
-    cm = caddtree.profile(tiny_target, random_drafter(False, seed=1), max_nodes=8, contexts=(8,), repeats=2,
+    cm = profile(tiny_target, random_drafter(False, seed=1), max_nodes=8, contexts=(8,), repeats=2,
                           progress=False)
     assert max(cm.curves[8]) < 10, cm.curves[8]   # ~2 ms warm; ~25 ms when the cold calls are timed
 
 
 def test_profile_draft_cost_survives_a_burst_of_slow_calls(tiny_target, monkeypatch):
     """A few slow drafts (load from elsewhere) must not set C_draft: its samples span the whole profile."""
-    import time as _time
     from conftest import random_drafter
-    from dominotree.trees import caddtree
     drafter = random_drafter(False, seed=1)
     calls, draft = [0], drafter.draft
 
     def burst(*a, **kw):
         calls[0] += 1
         if calls[0] <= 4:                   # the warm-up and the next three calls are 60 ms slower
-            _time.sleep(0.06)
+            time.sleep(0.06)
         return draft(*a, **kw)
     monkeypatch.setattr(drafter, "draft", burst)
-    cm = caddtree.profile(tiny_target, drafter, max_nodes=8, contexts=(8,), repeats=2, progress=False)
+    cm = profile(tiny_target, drafter, max_nodes=8, contexts=(8,), repeats=2, progress=False)
     assert calls[0] > 8 and cm.c_draft < 10, (calls[0], cm.c_draft)

@@ -95,15 +95,17 @@ def profile(target, drafter, max_nodes: int = 64, contexts=(128, 512, 1024), rep
     V = target.vocab_size
     samples: dict[int, dict[int, list[float]]] = {}
     draft_times = []
-    target.set_taps(drafter.target_layer_ids if drafter is not None else [])
+    features = drafter is not None          # a drafter taps the target's features; verify returns them too
+    target.set_taps(drafter.target_layer_ids if features else [])
     bar = tqdm(total=len(contexts) * max_nodes * repeats, desc="profile verify", disable=not progress)
     for ctx in contexts:
         prompt = torch.randint(3, V, (ctx,), generator=g)
-        pre = target.prefill(prompt, features=drafter is not None)
-        if drafter is not None:
+        last = int(prompt[-1])
+        pre = target.prefill(prompt, features=features)
+        if features:
             drafter.reset()
             drafter.add_context(pre.features, 0)
-            _timed_draft(drafter, int(prompt[-1]), ctx, target)     # warm-up
+            _timed_draft(drafter, last, ctx, target)     # warm-up
         trees = {}
         for n in range(1, max_nodes + 1):
             parents = [-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, n + 1)]
@@ -113,15 +115,15 @@ def profile(target, drafter, max_nodes: int = 64, contexts=(128, 512, 1024), rep
         # every tree size is a new shape); an unwarmed size's median would carry that one-off cost, and
         # the monotone fit would spread a slow small size over every larger one
         for tree in trees.values():
-            _timed_verify(target, tree, ctx, drafter is not None)
+            _timed_verify(target, tree, ctx, features)
         # one pass over every n per repeat: a burst of load from elsewhere hits one sample of many
         # sizes (which the median drops), not every sample of a few sizes (which it cannot); a draft
         # is timed before each verify, so its samples are spread over the whole profile the same way
         for _ in range(repeats):
             for n, tree in trees.items():
-                if drafter is not None:
-                    draft_times.append(_timed_draft(drafter, int(prompt[-1]), ctx, target))
-                samples[ctx][n].append(_timed_verify(target, tree, ctx, drafter is not None))
+                if features:
+                    draft_times.append(_timed_draft(drafter, last, ctx, target))
+                samples[ctx][n].append(_timed_verify(target, tree, ctx, features))
                 bar.update()
     bar.close()
     target.reset()
