@@ -89,7 +89,7 @@ def test_codeio_requests_name_the_reference_signature():
 
 
 def test_the_third_extension_keeps_the_committed_prompts_and_adds_new_instructions():
-    start = EXTENSIONS[2][0]                                 # the committed shards end here
+    start = EXTENSIONS[2][0]                                 # the shards committed before it end here
     rows = _first_prompts(0)
     for at, group, pool in EXTENSIONS[:2]:
         rows = _extended(rows, at, group, pool())
