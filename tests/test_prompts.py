@@ -96,8 +96,8 @@ def test_the_third_extension_keeps_the_committed_prompts_and_adds_new_instructio
     allp = training_prompts()
     assert allp[:start] == list(rows[:start])                # the committed shards' prompts are unchanged
     assert allp[start:len(rows)] == list(rows[start:])       # then the older pools' last instructions
-    extra = more_instruction_prompts()
-    assert allp[len(rows):] == [r for r in extra if r[1] not in {t for _, t in rows}]
+    extra, older = more_instruction_prompts(), {t for _, t in rows}
+    assert allp[len(rows):] == [r for r in extra if r[1] not in older]
     assert len({t for _, t in extra}) == len(extra) > 15000 and {source_group(s) for s, _ in extra} == {"instruction"}
     kinds = Counter(s for s, _ in extra[:2000])              # shuffled: any prefix mixes every source
     assert set(kinds) == {"open-qa", "reading", "exam", "story"} and min(kinds.values()) > 200
