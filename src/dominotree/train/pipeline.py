@@ -1,4 +1,4 @@
-"""`dominotree train data | features | dflash | domino | eval | all`: the reproducible drafter recipe.
+"""`dominotree train data | subset | features | dflash | domino | eval | all`: the reproducible drafter recipe.
 
 `train all` runs every stage for the embedded target with the defaults below and copies the
 final drafters to checkpoints/. Each stage resumes where it stopped."""
@@ -78,6 +78,12 @@ def add_train_parser(sub) -> None:
                    help="rows decoded together (the recipe's 64; 128 was no faster over 256-token answers on 2 cores)")
     d.add_argument("--no-seed", action="store_true",
                    help="generate every shard, even those committed under train_data/MODEL/ by an earlier run")
+
+    s = ts.add_parser("subset", help="a workdir holding chosen shards of another's data (fresh data + replay)")
+    common(s)
+    s.add_argument("--shards", required=True,
+                   help="shard ids or start:stop[:step] ranges of WORKDIR/data, e.g. 0:101:6,101:124")
+    s.add_argument("--out", required=True, help="the subset's workdir (train features|dflash|domino --workdir OUT)")
 
     f = ts.add_parser("features", help="cache the target's tapped-layer features")
     common(f)
@@ -222,6 +228,11 @@ def run_train(args, name: str, target=None):
 def main(args) -> int:
     if args.stage == "data":
         run_data(args)
+    elif args.stage == "subset":
+        from .subset import make_subset, parse_shards
+        ids = parse_shards(args.shards)
+        data = make_subset(Path(args.workdir) / "data", ids, Path(args.out))
+        print(f"{data}: {len(ids)} shards of {Path(args.workdir) / 'data'}")
     elif args.stage == "features":
         run_features(args)
     elif args.stage == "eval":
