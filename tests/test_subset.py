@@ -1,5 +1,6 @@
 """train/subset.py: a workdir holding chosen shards of another's data (fresh data + a replay sample)."""
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -44,6 +45,10 @@ def test_subset_is_kept_when_asked_again_and_never_overwritten_by_another(source
     with pytest.raises(ValueError, match="another shard subset"):
         make_subset(source, [1, 4], tmp_path / "mix")
     assert read_shard(shard_path(data, 1))[0].tokens[0] == 3                              # untouched
+    other = tmp_path / "copy" / "data"
+    shutil.copytree(source, other)
+    with pytest.raises(ValueError, match="another shard subset"):
+        make_subset(other, [1, 3], tmp_path / "mix")          # the same ids of another source
     with pytest.raises(ValueError, match="not a shard subset"):
         make_subset(source, [1], source.parent)        # a workdir with its own data stays as it is
     with pytest.raises(FileNotFoundError, match=r"lacks shards \[9\]"):

@@ -49,7 +49,7 @@ def make_subset(source_data: Path, shards: list[int], workdir: Path) -> Path:
     marker = data / "subset.json"
     if marker.is_file():
         held = json.loads(marker.read_text())
-        if held["shards"] != record["shards"]:
+        if (held["source"], held["shards"]) != (record["source"], record["shards"]):
             raise ValueError(f"{data} holds another shard subset ({marker}); choose another workdir")
         if held.get("complete"):
             return data
