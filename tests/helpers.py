@@ -30,9 +30,9 @@ class ScriptedDrafter:
     def __getattr__(self, item):
         return getattr(self.inner, item)
 
-    def draft(self, root, start, target, depths=None):
+    def draft(self, root, start, target, depths=None, vocab=None):
         self.calls += 1
-        out = self.inner.draft(root, start, target, depths)  # exercises the real backbone path
+        out = self.inner.draft(root, start, target, depths, vocab)  # exercises the real backbone path
         D, V = out.base_logits.shape
         g = torch.Generator().manual_seed(self.seed * 7919 + start)
         logits = torch.randn(D, V, generator=g)
@@ -42,7 +42,16 @@ class ScriptedDrafter:
             if self.wrong_rate and float(torch.rand(1, generator=g)) < self.wrong_rate:
                 tok = (tok + 1 + int(torch.randint(0, V - 1, (1,), generator=g))) % V
             logits[d - 1, tok] += self.margin
-        return DraftOutput(out.hidden, logits)
+        return DraftOutput(out.hidden, restrict(logits, vocab))
+
+
+def restrict(logits, vocab):
+    """-inf outside a draft vocabulary (draft_vocab.DraftVocab), as the real drafter's LM head gives."""
+    if vocab is None:
+        return logits
+    out = torch.full_like(logits, float("-inf"))
+    out[:, vocab.ids] = logits[:, vocab.ids]
+    return out
 
 
 def zero_head(drafter):
@@ -62,8 +71,8 @@ class MirrorDrafter(ScriptedDrafter):
         self.target_model = target.model
         self.history: list[int] = []
 
-    def draft(self, root, start, target, depths=None):
-        out = self.inner.draft(root, start, target, depths)
+    def draft(self, root, start, target, depths=None, vocab=None):
+        out = self.inner.draft(root, start, target, depths, vocab)
         assert self.history and self.history[-1] == root and len(self.history) == start + 1
         seq, rows = list(self.history), []
         with torch.inference_mode():
@@ -74,7 +83,7 @@ class MirrorDrafter(ScriptedDrafter):
                 logits = self.target_model(input_ids=torch.tensor([seq])).logits[0, -1].float()
                 rows.append(logits)
                 seq.append(int(logits.argmax()))
-        return DraftOutput(out.hidden, torch.stack(rows))
+        return DraftOutput(out.hidden, restrict(torch.stack(rows), vocab))
 
 
 def run_mirror(target, drafter: MirrorDrafter, prompt, **kw):

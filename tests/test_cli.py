@@ -1,6 +1,7 @@
 """The CLI: JSON output, streaming text, error messages with exit code 2."""
 import json
 
+import numpy as np
 import pytest
 import torch
 
@@ -57,6 +58,24 @@ def test_generate_with_a_lookup_branch(tiny_llama_dir, tiny_target, tmp_path, ca
         code, _, err = run_cli(capsys, "generate", "--model", str(tiny_llama_dir), "--dtype", "fp32", "--drafter",
                                str(path), "--method", "ddtree", *extra, "hi")
         assert code == 2 and match in err and "Traceback" not in err
+
+
+def test_generate_with_a_draft_vocabulary(tiny_llama_dir, tiny_target, tmp_path, capsys):
+    import dominotree as dt
+    from dominotree.train.data import Sequence, write_shard
+    path, source = tmp_path / "d", tmp_path / "s"
+    save_checkpoint(random_drafter(True), path, dtype=torch.float32)
+    source.mkdir()
+    write_shard(source / "shard_00000.npz", [Sequence(np.arange(1, 90), 1, "test")])
+    code, out, _ = run_cli(capsys, "generate", "--model", str(tiny_llama_dir), "--dtype", "fp32", "--drafter",
+                           str(path), "--method", "dominotree", "--draft-vocab", "64", "--draft-vocab-source",
+                           str(source), "--max-new-tokens", "12", "--json", "hi hi")
+    assert code == 0
+    assert json.loads(out)["token_ids"] == dt.generate(tiny_target, None, "hi hi", method="ar",
+                                                       max_new_tokens=12).token_ids
+    code, _, err = run_cli(capsys, "generate", "--model", str(tiny_llama_dir), "--dtype", "fp32", "--drafter",
+                           str(path), "--method", "dominotree", "--draft-vocab", "16", "hi")
+    assert code == 2 and "smaller than the 64 candidates" in err and "Traceback" not in err
 
 
 def test_generate_with_a_drafter_dir_streams_text(tiny_llama_dir, tmp_path, capsys):

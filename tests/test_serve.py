@@ -291,3 +291,18 @@ def test_server_wide_lookup_store_reaches_each_request(tiny_target, tmp_path):
     body = {"messages": [{"role": "user", "content": "hi"}], "temperature": 0}
     assert srv.parse(body, chat=True)[0].lookup_store == str(tmp_path)
     assert srv.parse({**body, "method": "ar"}, chat=True)[0].lookup_store is None
+
+
+def test_server_wide_draft_vocab_reaches_each_request_and_bad_values_fail_at_start(tiny_target, tmp_path):
+    from dominotree.serve import Server
+    from dominotree.train.data import Sequence, write_shard
+    write_shard(tmp_path / "shard_00000.npz", [Sequence(np.array([1, 5, 6, 7, 8, 9]), 1, "test")])
+    srv = Server(tiny_target, random_drafter(True), "dominotree", MODEL, draft_vocab=64, draft_vocab_source=str(tmp_path))
+    body = {"messages": [{"role": "user", "content": "hi"}], "temperature": 0}
+    cfg = srv.parse(body, chat=True)[0]
+    assert (cfg.draft_vocab, cfg.draft_vocab_source) == (64, str(tmp_path))
+    assert srv.parse({**body, "method": "ar"}, chat=True)[0].draft_vocab == 0
+    with pytest.raises(FileNotFoundError, match="give draft_vocab_source a directory"):
+        Server(tiny_target, random_drafter(True), "dominotree", MODEL, draft_vocab=64)   # no train_data for it
+    with pytest.raises(ValueError, match="smaller than the 64 candidates"):
+        Server(tiny_target, random_drafter(True), "dominotree", MODEL, draft_vocab=8, draft_vocab_source=str(tmp_path))

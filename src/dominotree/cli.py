@@ -36,7 +36,8 @@ def cmd_generate(args) -> int:
                 top_k=args.top_k, seed=args.seed, raw=args.raw, budget=args.budget, node_topk=args.node_topk,
                 corr_topm=None if args.corr_topm <= 0 else args.corr_topm, builder=args.builder,
                 stop=args.stop or [], cost_model=args.cost_model, lookup=args.lookup, lookup_ngram=args.lookup_ngram,
-                lookup_store=args.lookup_store, lookup_store_min_n=args.lookup_store_min_n)
+                lookup_store=args.lookup_store, lookup_store_min_n=args.lookup_store_min_n,
+                draft_vocab=args.draft_vocab, draft_vocab_source=args.draft_vocab_source)
     if args.json:
         r = dt.generate(target, drafter, prompt, method=args.method, **opts)
         print(json.dumps({"text": r.text, "token_ids": r.token_ids, "stats": r.stats}))
@@ -133,6 +134,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --lookup: a second branch copied from text the target wrote before: 'train-data' "
                         "(the target's committed training responses) or a directory of training shards")
     g.add_argument("--lookup-store-min-n", type=int, default=4, help="shortest context suffix the store matches (1-8)")
+    g.add_argument("--draft-vocab", type=int, default=0,
+                   help="the drafter's LM head scores only the N tokens the target writes most often "
+                        "(lossless; a cheaper draft). 0: the whole vocabulary")
+    g.add_argument("--draft-vocab-source", default="train-data",
+                   help="responses that rank the tokens: 'train-data' (the target's committed training "
+                        "responses) or a directory of training shards")
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
     g.add_argument("--raw", action="store_true", help="do not apply the chat template")
     g.add_argument("--json", action="store_true", help="print one JSON object: text, token_ids, stats")
@@ -162,6 +169,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--lookup", type=int, default=0, help="prompt-lookup branch of up to N tokens per tree (0: off)")
     s.add_argument("--lookup-store", default=None, help="with --lookup: a datastore branch too (see generate)")
+    s.add_argument("--draft-vocab", type=int, default=0,
+                   help="drafter LM head over the N tokens the target writes most (see generate; 0: all)")
+    s.add_argument("--draft-vocab-source", default="train-data", help="responses that rank them (see generate)")
     s.set_defaults(func=cmd_serve)
     return p
 

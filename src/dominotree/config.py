@@ -34,6 +34,8 @@ class SpecConfig:
     lookup_store: str | None = None    # also a branch copied from text the target wrote before:
                                        # "train-data" (its committed training responses) or a shard dir
     lookup_store_min_n: int = 4        # shortest context suffix the datastore matches (up to SORT_DEPTH, 8)
+    draft_vocab: int = 0               # the drafter scores only the N tokens the target writes most (0: all)
+    draft_vocab_source: str = "train-data"   # responses that rank them: "train-data" or a shard dir
 
     def __post_init__(self):
         self.validate()
@@ -71,6 +73,14 @@ class SpecConfig:
             raise ValueError("lookup_store adds a second lookup branch; it needs lookup=N > 0 (the branch length)")
         if not isinstance(self.lookup_store_min_n, int) or not 1 <= self.lookup_store_min_n <= SORT_DEPTH:
             raise ValueError(f"lookup_store_min_n must be an integer in 1..{SORT_DEPTH}, got {self.lookup_store_min_n!r}")
+        if not isinstance(self.draft_vocab, int) or self.draft_vocab < 0:
+            raise ValueError(f"draft_vocab must be an integer >= 0 (0: the whole vocabulary), got {self.draft_vocab!r}")
+        if self.draft_vocab and self.method == "ar":
+            raise ValueError("draft_vocab restricts a drafter's LM head; method 'ar' drafts nothing")
+        widest = max(self.node_topk, self.corr_topm or 0)
+        if self.draft_vocab and self.draft_vocab < widest:
+            raise ValueError(f"draft_vocab={self.draft_vocab} is smaller than the {widest} candidates a depth "
+                             "offers (node_topk, corr_topm); use a larger draft_vocab or 0")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
 

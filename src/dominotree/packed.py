@@ -39,7 +39,7 @@ def _packable(module: nn.Module) -> bool:
             and w.device.type == "cpu")
 
 
-def _weight_key(w: torch.Tensor) -> tuple[int, int]:
+def weight_key(w: torch.Tensor) -> tuple[int, int]:
     # inference tensors (made under torch.inference_mode) keep no version counter
     return w.data_ptr(), (-1 if w.is_inference() else w._version)
 
@@ -55,7 +55,7 @@ class PackedLinear(nn.Linear):
     def _repack(self, batch_hint: int) -> None:
         w = self.weight.detach()
         self._packed = torch.ops.mkldnn._reorder_linear_weight(w, batch_hint)
-        self._packed_key = _weight_key(self.weight)
+        self._packed_key = weight_key(self.weight)
         self._batch_hint = batch_hint
 
     def __getstate__(self):
@@ -72,7 +72,7 @@ class PackedLinear(nn.Linear):
                and x.numel() // max(x.shape[-1], 1) <= MAX_PACKED_ROWS)
         if not use:
             return F.linear(x, self.weight, self.bias)
-        if _weight_key(self.weight) != self._packed_key:
+        if weight_key(self.weight) != self._packed_key:
             self._repack(self._batch_hint)   # the weight was replaced or changed in place
         return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [None], "")
 

@@ -24,6 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import dominotree as dt
 from dominotree.trees.datastore import store_for
+from dominotree.draft_vocab import draft_vocab_for
 
 DEFAULT_MAX_TOKENS = 256
 
@@ -134,16 +135,20 @@ class _Run:
 
 class Server:
     def __init__(self, target, drafter, method: str, model_name: str, lookup: int = 0,
-                 lookup_store: str | None = None):
+                 lookup_store: str | None = None, draft_vocab: int = 0, draft_vocab_source: str = "train-data"):
         if method not in dt.METHODS:
             raise ValueError(f"unknown method {method!r}")
         if method != "ar" and drafter is None:
             raise ValueError(f"method {method!r} needs a drafter")
-        dt.SpecConfig(method=method, lookup=lookup, lookup_store=lookup_store)   # bad server-wide options
-        if lookup_store is not None:                                            # fail at start-up
+        dt.SpecConfig(method=method, lookup=lookup, lookup_store=lookup_store,   # bad server-wide options
+                      draft_vocab=draft_vocab, draft_vocab_source=draft_vocab_source)   # fail at start-up
+        if lookup_store is not None:
             store_for(lookup_store, target.name)
+        if draft_vocab:
+            draft_vocab_for(target, draft_vocab, draft_vocab_source)
         self.target, self.drafter, self.method, self.model_name = target, drafter, method, model_name
         self.lookup, self.lookup_store = lookup, lookup_store
+        self.draft_vocab, self.draft_vocab_source = draft_vocab, draft_vocab_source
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="dominotree-model")
         self.lock = asyncio.Lock()
         self.created = int(time.time())
@@ -184,7 +189,9 @@ class Server:
             cfg = dt.SpecConfig(method=method, max_new_tokens=max_tokens, temperature=float(temperature),
                                 top_p=float(_field(body, "top_p", "number", 1.0)), seed=seed, stop=stop, raw=not chat,
                                 lookup=0 if method == "ar" else self.lookup,
-                                lookup_store=None if method == "ar" else self.lookup_store)
+                                lookup_store=None if method == "ar" else self.lookup_store,
+                                draft_vocab=0 if method == "ar" else self.draft_vocab,
+                                draft_vocab_source=self.draft_vocab_source)
         except ValueError as e:
             param = str(e).split()[0].replace("max_new_tokens", "max_tokens")
             raise APIError(400, str(e).replace("max_new_tokens", "max_tokens"), param, "invalid_value") from None
@@ -317,10 +324,13 @@ class Server:
 
 
 def create_app(target, drafter, method: str = "dominotree", model_name: str | None = None,
-               lookup: int = 0, lookup_store: str | None = None) -> FastAPI:
+               lookup: int = 0, lookup_store: str | None = None, draft_vocab: int = 0,
+               draft_vocab_source: str = "train-data") -> FastAPI:
     """The ASGI app serving `target` (+ `drafter`) with `method` (and a prompt-lookup branch of
-    `lookup` tokens, 0: none, plus a datastore branch from `lookup_store`) under the name `model_name`."""
-    srv = Server(target, drafter, method, model_name or str(target.name), lookup, lookup_store)
+    `lookup` tokens, 0: none, plus a datastore branch from `lookup_store`; a drafter LM head over the
+    `draft_vocab` tokens the target writes most in `draft_vocab_source`, 0: all) under the name `model_name`."""
+    srv = Server(target, drafter, method, model_name or str(target.name), lookup, lookup_store, draft_vocab,
+                 draft_vocab_source)
     app = FastAPI(title="dominotree", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = srv
 
@@ -370,7 +380,8 @@ def main(args) -> int:
     target = dt.load_target(args.model, dtype=args.dtype, pack=pack)
     drafter = None if args.method == "ar" else dt.load_drafter(args.drafter, target=target, pack=pack)
     name = os.path.basename(os.path.normpath(args.model)) if os.path.isdir(args.model) else args.model
-    app = create_app(target, drafter, args.method, name, lookup=args.lookup, lookup_store=args.lookup_store)
+    app = create_app(target, drafter, args.method, name, lookup=args.lookup, lookup_store=args.lookup_store,
+                     draft_vocab=args.draft_vocab, draft_vocab_source=args.draft_vocab_source)
     print(f"dominotree: serving {name} with {args.method} on http://{args.host}:{args.port}/", file=sys.stderr)
     uvicorn.run(app, host=args.host, port=args.port, log_level="info")
     return 0

@@ -306,10 +306,11 @@ class DFlashDrafter:
         return self.backbone(emb, pos, self._ctx_kv, anchor_ctx=self._last_ctx)[0]
 
     @torch.inference_mode()
-    def draft(self, root: int, start: int, target, depths: int | None = None) -> DraftOutput:
+    def draft(self, root: int, start: int, target, depths: int | None = None, vocab=None) -> DraftOutput:
         """The block's outputs; base logits for the first `depths` depths only (the LM head is
-        half a draft's cost, and a tree of B nodes is never deeper than B)."""
+        half a draft's cost, and a tree of B nodes is never deeper than B), over the tokens of
+        `vocab` only if given (a DraftVocab: -inf elsewhere)."""
         h = self.block_hidden(root, start, target)
         h = h if self.config.shift_label else h[1:]
-        rows = h if depths is None else h[:max(1, depths)]
-        return DraftOutput(h, target.lm_head(rows.to(target.dtype)).float())
+        rows = (h if depths is None else h[:max(1, depths)]).to(target.dtype)
+        return DraftOutput(h, target.lm_head(rows).float() if vocab is None else vocab.logits(rows))

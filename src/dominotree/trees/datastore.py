@@ -124,20 +124,21 @@ def shard_responses(data_dir: Path) -> np.ndarray:
     return np.concatenate(parts)
 
 
-def resolve_store(spec: str, target_name: str | None = None) -> Path:
-    """`train-data`: the committed training shards of the target; otherwise a directory of shards."""
+def resolve_store(spec: str, target_name: str | None = None, option: str = "lookup_store") -> Path:
+    """`train-data`: the committed training shards of the target; otherwise a directory of shards.
+    `option` names the setting in the errors (lookup_store, draft_vocab_source)."""
     if spec == "train-data":
         from ..train.data import seed_dir_for
         if not target_name:
-            raise ValueError("lookup_store 'train-data' needs the target's name")
+            raise ValueError(f"{option} 'train-data' needs the target's name")
         path = seed_dir_for(target_name)
         if not path.is_dir():
             raise FileNotFoundError(f"no committed training data for {target_name!r} at {path}; "
-                                    "give lookup_store a directory of training shards")
+                                    f"give {option} a directory of training shards")
         return path
     path = Path(spec).expanduser()
     if not path.is_dir():
-        raise FileNotFoundError(f"lookup_store {spec!r} is not a directory of training shards")
+        raise FileNotFoundError(f"{option} {spec!r} is not a directory of training shards")
     return path
 
 

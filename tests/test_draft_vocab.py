@@ -1,0 +1,133 @@
+"""Reduced draft vocabulary: the ranking, the subset LM head against the full one, generation that
+drafts only the subset and still emits plain decoding's tokens (and the target's distribution at
+T = 1), and clear errors for bad options."""
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import dominotree as dt
+from conftest import VOCAB, random_drafter
+from dominotree.draft_vocab import DraftVocab, draft_vocab_for, token_ranking, top_token_ids
+from dominotree.engine import GenerationStream
+from dominotree.packed import packing_available
+from dominotree.train.data import Sequence, write_shard
+from helpers import reference_sequence
+from test_verify import exact_joint, sample_first_tokens, tv_and_bound
+
+PROMPT = [1, 11, 12, 13]
+
+
+def shard_dir(path, responses, prompt=(1, 2)):
+    path.mkdir(parents=True, exist_ok=True)
+    write_shard(path / "shard_00000.npz",
+                [Sequence(np.array(list(prompt) + list(r)), len(prompt), "test") for r in responses])
+    token_ranking.cache_clear()
+    return str(path)
+
+
+def test_ranking_counts_responses_only_and_breaks_ties_by_id(tmp_path):
+    d = shard_dir(tmp_path / "s", [[7, 7, 7, 5, 5, 9], [9, 5, 30]], prompt=(30, 30, 30, 30))
+    ranking = token_ranking(d, 40)
+    # 5: 3, 7: 3, 9: 2, 30: 1 (its prompt copies do not count), then every unseen id in id order
+    assert ranking[:4].tolist() == [5, 7, 9, 30]
+    assert ranking[4:7].tolist() == [0, 1, 2] and sorted(ranking.tolist()) == list(range(40))
+    assert top_token_ids(ranking, 2, always={2}).tolist() == [2, 5, 7]
+    assert top_token_ids(ranking, 3, always={7}).tolist() == [5, 7, 9]
+    with pytest.raises(ValueError, match="another tokenizer"):
+        token_ranking(d, 20)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_subset_logits_equal_the_full_head_on_the_subset(dtype):
+    if dtype == torch.bfloat16 and not packing_available():
+        pytest.skip("no oneDNN packing in this torch build")
+    torch.manual_seed(0)
+    head = nn.Linear(32, 200, bias=False, dtype=dtype)
+    ids = torch.tensor([0, 3, 17, 64, 199])
+    vocab = DraftVocab(head, ids)
+    hidden = torch.randn(6, 32, dtype=dtype)
+    out = vocab.logits(hidden)
+    assert out.shape == (6, 200) and out.dtype == torch.float32
+    torch.testing.assert_close(out[:, ids], F.linear(hidden, head.weight[ids]).float())
+    rest = torch.ones(200, dtype=torch.bool)
+    rest[ids] = False
+    assert torch.isneginf(out[:, rest]).all()
+    assert out.argmax(-1).tolist() == ids[F.linear(hidden, head.weight[ids]).float().argmax(-1)].tolist()
+
+
+def recorded_trees(target, drafter, prompt, **kw):
+    """Generate, keeping every tree the proposer built."""
+    stream = GenerationStream(target, drafter, prompt, dt.SpecConfig.from_kwargs(**kw))
+    inner, trees = stream.proposer, []
+
+    def record(*args):
+        tree, timing, info = inner(*args)
+        trees.append(tree)
+        return tree, timing, info
+
+    stream.proposer = record
+    for _ in stream:
+        pass
+    return stream.result, trees
+
+
+@pytest.mark.parametrize("method", ["dflash", "domino", "ddtree", "dominotree"])
+def test_generation_drafts_only_the_subset_and_stays_lossless(tiny_target, tmp_path, method):
+    _, plain = reference_sequence(tiny_target, PROMPT, 30)
+    # the ranking favours the odd ids: the 48 most frequent are the odd ones
+    source = shard_dir(tmp_path / "s", [list(range(1, VOCAB, 2)) * 3 + list(range(0, VOCAB, 2))])
+    subset = set(range(1, VOCAB, 2)) | tiny_target.eos_token_ids
+    drafter = random_drafter(method in ("domino", "dominotree"), seed=5)
+    kw = dict(method=method, max_new_tokens=30, budget=10, corr_topm=16)
+    full, full_trees = recorded_trees(tiny_target, drafter, PROMPT, **kw)
+    out, trees = recorded_trees(tiny_target, drafter, PROMPT, draft_vocab=48, draft_vocab_source=source, **kw)
+    assert out.token_ids == plain.token_ids == full.token_ids
+    drafted = [int(t) for tree in trees for t in tree.tokens[1:]]
+    assert drafted and set(drafted) <= subset
+    # the control: the full vocabulary drafts even ids too, so the check above can fail
+    assert any(int(t) not in subset for tree in full_trees for t in tree.tokens[1:])
+
+
+def test_draft_vocab_keeps_the_target_distribution_at_t1(tiny_target, tmp_path):
+    """Mirror drafter (the target's own alternatives) restricted to a subset that holds the target's
+    likely tokens and half of the rest, so restricted drafts get accepted and some are drafted out."""
+    n, steps = 1000, 3
+    ref, _ = reference_sequence(tiny_target, PROMPT, 8)
+    source = shard_dir(tmp_path / "s", [ref[len(PROMPT):] * 4 + list(range(0, VOCAB, 2))])
+    exact = exact_joint(tiny_target, PROMPT, steps, 1.0, 0, 1.0)
+    stats = []
+    counts = sample_first_tokens(tiny_target, "dominotree", 1.0, 0, 1.0, n, stats=stats, corr_topm=8,
+                                 draft_vocab=48, draft_vocab_source=source)
+    assert sum(sum(s["accepted_per_round"]) for s in stats) > n, "restricted drafts were rarely accepted"
+    tv, bound = tv_and_bound(counts, exact, n)
+    assert tv < bound, f"TV {tv:.3f} >= bound {bound:.3f}"
+
+
+def test_the_subset_is_built_once_per_target_size_and_source(tiny_target, tmp_path):
+    source = shard_dir(tmp_path / "s", [[5, 6, 7]])
+    a = draft_vocab_for(tiny_target, 20, source)
+    assert draft_vocab_for(tiny_target, 20, source) is a
+    assert draft_vocab_for(tiny_target, 21, source) is not a
+    assert len(a) == len(set(a.ids.tolist())) >= 20 and {5, 6, 7} <= set(a.ids.tolist())
+
+
+def test_bad_draft_vocab_options_are_rejected(tiny_target, tmp_path):
+    with pytest.raises(ValueError, match="draft_vocab must be an integer >= 0"):
+        dt.SpecConfig(method="dominotree", draft_vocab=-1)
+    with pytest.raises(ValueError, match="method 'ar' drafts nothing"):
+        dt.SpecConfig(method="ar", draft_vocab=1000)
+    with pytest.raises(ValueError, match="smaller than the 64 candidates"):
+        dt.SpecConfig(method="dominotree", draft_vocab=32)
+    drafter = random_drafter(False)
+    with pytest.raises(ValueError, match=f"integer in 1..{VOCAB}"):
+        dt.generate(tiny_target, drafter, PROMPT, method="ddtree", draft_vocab=VOCAB + 1,
+                    draft_vocab_source=shard_dir(tmp_path / "s", [[5]]))
+    with pytest.raises(FileNotFoundError, match="draft_vocab_source .* is not a directory"):
+        dt.generate(tiny_target, drafter, PROMPT, method="ddtree", draft_vocab=64,
+                    draft_vocab_source=str(tmp_path / "missing"))
+    with pytest.raises(FileNotFoundError, match="give draft_vocab_source a directory"):
+        dt.generate(tiny_target, drafter, PROMPT, method="ddtree", draft_vocab=64)   # no train_data for it
+    # a failed request leaves the target ready for the next one
+    assert dt.generate(tiny_target, drafter, PROMPT, method="ddtree", max_new_tokens=5).token_ids
