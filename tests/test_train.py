@@ -123,6 +123,34 @@ def test_feature_pass_resumes_where_it_stopped(tiny_target, tiny_data, tmp_path)
                                                                             np.asarray(store.feats))
 
 
+def test_auto_precision_continues_the_pass_the_store_holds(tiny_llama_dir, tiny_target, tiny_data, tmp_path,
+                                                           monkeypatch):
+    """A pass started in fp32 and stopped is resumed in fp32 by `--precision auto` even where the
+    timing would now choose bf16 (the progress is kept, not thrown away); an explicit choice wins."""
+    import argparse
+    import shutil
+    from dominotree.train import pipeline
+    from dominotree.train.features import recorded_precision
+    root, store = tiny_data
+    work = tmp_path / "w"
+    shutil.copytree(root / "data", work / "data")
+    assert recorded_precision(work / "features") is None
+    assert build_feature_store(tiny_target, work / "data", work / "features", layer_ids=[1, 2],
+                               batch_tokens=200, time_limit_s=0) is None                     # fp32, one batch
+    kept = np.load(work / "features" / "progress.npy").sum()
+    assert recorded_precision(work / "features") == "fp32"
+    monkeypatch.setattr(pipeline, "resolve_precision", lambda name: "bf16" if name == "auto" else name)
+    args = argparse.Namespace(model=str(tiny_llama_dir), workdir=str(work), layers="1,2", topk=0,
+                              precision="auto", time_limit=0)
+    pipeline.run_features(args)
+    assert json.loads((work / "features" / "progress.json").read_text())["target_dtype"] == "torch.float32"
+    assert np.load(work / "features" / "progress.npy").sum() > kept                        # resumed
+    pipeline.run_features(argparse.Namespace(**{**vars(args), "precision": "bf16"}))
+    assert recorded_precision(work / "features") == "bf16"                                # started over
+    (work / "features" / "progress.json").write_text("not json")
+    assert recorded_precision(work / "features") is None
+
+
 def test_target_topk_are_the_targets_next_token_log_probs(tiny_target, tiny_data, tmp_path):
     import shutil
     from dominotree.train.features import FeatureStore, build_target_topk

@@ -237,6 +237,21 @@ def build_feature_store(target, data_dir: Path, out: Path, layer_ids: list[int],
     return FeatureStore(out)
 
 
+def recorded_precision(out: Path) -> str | None:
+    """The precision ("bf16" | "fp32") of the pass a store directory holds: its unfinished pass if
+    any, else its finished store; None for an empty directory. `--precision auto` keeps it, so a
+    resumed or extended pass never restarts because a timing on a busy CPU chose the other one."""
+    for name in ("progress.json", "features.json"):
+        try:
+            dtype = json.loads((Path(out) / name).read_text()).get("target_dtype")
+        except (OSError, ValueError, AttributeError):
+            continue
+        precision = {"torch.bfloat16": "bf16", "torch.float32": "fp32"}.get(dtype)
+        if precision:
+            return precision
+    return None
+
+
 def _resumable_progress(out: Path, plan: dict, nbytes: int) -> np.ndarray | None:
     """The finished-sequence mask of an unfinished pass over exactly this request, or None."""
     try:

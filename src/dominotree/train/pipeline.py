@@ -183,11 +183,15 @@ def run_data(args, target=None):
 def run_features(args, target=None):
     import dominotree as dt
     from ..target import DTYPES
-    from .features import FeatureStore, build_feature_store, build_target_topk
-    dtype = DTYPES[resolve_precision(getattr(args, "precision", "auto"))]
+    from .features import FeatureStore, build_feature_store, build_target_topk, recorded_precision
+    root, topk = Path(args.workdir) / "features", getattr(args, "topk", RECIPE["topk"])
+    precision = getattr(args, "precision", "auto")
+    if precision == "auto" and recorded_precision(root):
+        precision = recorded_precision(root)       # continue the store's pass in its own precision
+        print(f"target features: {precision}, as the store in {root} was started")
+    dtype = DTYPES[resolve_precision(precision)]
     if target is None or target.dtype != dtype:     # `train all` hands over its bf16 data writer
         target = dt.load_target(args.model, dtype=dtype)
-    root, topk = Path(args.workdir) / "features", getattr(args, "topk", RECIPE["topk"])
     if getattr(args, "add_topk", False):
         build_target_topk(target, FeatureStore(root), topk)
         return
