@@ -5,9 +5,10 @@ for SmolLM2, 57 MB in bf16) that a draft reads once per round for a handful of r
 read is memory-bound and costs about as much as the drafter's layers. Scoring only the N tokens the
 target writes most often (the frequency-ranked draft vocabulary of FR-Spec; EAGLE-3's `d2t` map is
 the same idea) reads N / V of it. Every other token gets a base logit of -inf, so no chain or tree
-drafts it; verification is unchanged, so the output tokens are exactly those of the full
-vocabulary (a token left out only costs acceptance where the target writes it, and the lookup
-branches still propose any token). The ranking comes from the target's own training responses
+drafts it. Verification is unchanged, so the output is the target's as with any draft (greedy:
+its tokens, up to the floating-point near-ties a different tree's verify batch can tip); a token
+left out only costs acceptance where the target writes it, and the lookup branches still propose
+any token. The ranking comes from the target's own training responses
 (`train-data`, as the datastore branch's) or any directory of training shards.
 """
 from __future__ import annotations
@@ -20,7 +21,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from .packed import weight_key, pack_linears
+from .packed import pack_linears, weight_key
 from .trees.datastore import SEP, resolve_store, shard_responses
 
 

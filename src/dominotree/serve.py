@@ -23,8 +23,8 @@ from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import dominotree as dt
-from dominotree.trees.datastore import store_for
 from dominotree.draft_vocab import draft_vocab_for
+from dominotree.trees.datastore import store_for
 
 DEFAULT_MAX_TOKENS = 256
 
