@@ -131,3 +131,17 @@ def test_bad_draft_vocab_options_are_rejected(tiny_target, tmp_path):
         dt.generate(tiny_target, drafter, PROMPT, method="ddtree", draft_vocab=64)   # no train_data for it
     # a failed request leaves the target ready for the next one
     assert dt.generate(tiny_target, drafter, PROMPT, method="ddtree", max_new_tokens=5).token_ids
+
+
+def test_profile_times_drafts_with_the_draft_vocabulary(tiny_target, tmp_path, monkeypatch):
+    from dominotree.trees.caddtree import profile
+    drafter = random_drafter(False, seed=1)
+    vocab = draft_vocab_for(tiny_target, 64, shard_dir(tmp_path / "s", [[5, 6, 7]]))
+    seen, draft = [], drafter.draft
+
+    def spy(*a, **kw):
+        seen.append(kw.get("vocab"))
+        return draft(*a, **kw)
+    monkeypatch.setattr(drafter, "draft", spy)
+    cm = profile(tiny_target, drafter, max_nodes=4, contexts=(8,), repeats=2, progress=False, vocab=vocab)
+    assert cm.c_draft > 0 and seen and all(v is vocab for v in seen)

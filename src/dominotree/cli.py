@@ -78,8 +78,12 @@ def cmd_profile(args) -> int:
     from .models import cache_dir
     from .trees.caddtree import profile
     target, drafter = _load(args, True)
+    vocab = None
+    if args.draft_vocab:
+        from .draft_vocab import draft_vocab_for
+        vocab = draft_vocab_for(target, args.draft_vocab, args.draft_vocab_source)
     cm = profile(target, drafter, max_nodes=args.max_nodes, contexts=[int(c) for c in args.contexts.split(",")],
-                 repeats=args.repeats)
+                 repeats=args.repeats, vocab=vocab)
     out = args.out or str(cache_dir() / "cost_model.json")
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     cm.save(out)
@@ -154,6 +158,9 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--max-nodes", type=int, default=64)
     pr.add_argument("--contexts", default="128,512,1024")
     pr.add_argument("--repeats", type=int, default=3)
+    pr.add_argument("--draft-vocab", type=int, default=0,
+                    help="time drafts with this draft vocabulary, as the adaptive methods will run (see generate)")
+    pr.add_argument("--draft-vocab-source", default="train-data", help="responses that rank it (see generate)")
     pr.add_argument("--out", default=None)
     pr.set_defaults(func=cmd_profile)
 

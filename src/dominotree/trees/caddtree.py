@@ -88,8 +88,9 @@ def build_caddtree(logprobs: torch.Tensor, cost_model: CostModel, context_len: i
 
 
 def profile(target, drafter, max_nodes: int = 64, contexts=(128, 512, 1024), repeats: int = 3,
-            seed: int = 0, progress: bool = True) -> CostModel:
-    """Measure C_verify(n, ctx) with random trees of n nodes (+ root) and C_draft, then fit."""
+            seed: int = 0, progress: bool = True, vocab=None) -> CostModel:
+    """Measure C_verify(n, ctx) with random trees of n nodes (+ root) and C_draft, then fit.
+    `vocab`: a DraftVocab the drafts are timed with (the `draft_vocab` the methods will run with)."""
     from tqdm import tqdm
     g = torch.Generator().manual_seed(seed)
     V = target.vocab_size
@@ -105,7 +106,7 @@ def profile(target, drafter, max_nodes: int = 64, contexts=(128, 512, 1024), rep
         if features:
             drafter.reset()
             drafter.add_context(pre.features, 0)
-            _timed_draft(drafter, last, ctx, target)     # warm-up
+            _timed_draft(drafter, last, ctx, target, vocab)     # warm-up
         trees = {}
         for n in range(1, max_nodes + 1):
             parents = [-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, n + 1)]
@@ -122,7 +123,7 @@ def profile(target, drafter, max_nodes: int = 64, contexts=(128, 512, 1024), rep
         for _ in range(repeats):
             for n, tree in trees.items():
                 if features:
-                    draft_times.append(_timed_draft(drafter, last, ctx, target))
+                    draft_times.append(_timed_draft(drafter, last, ctx, target, vocab))
                 samples[ctx][n].append(_timed_verify(target, tree, ctx, features))
                 bar.update()
     bar.close()
@@ -131,10 +132,10 @@ def profile(target, drafter, max_nodes: int = 64, contexts=(128, 512, 1024), rep
     return CostModel.fit(c_draft, samples)
 
 
-def _timed_draft(drafter, last_token: int, ctx: int, target) -> float:
+def _timed_draft(drafter, last_token: int, ctx: int, target, vocab=None) -> float:
     """ms of one draft from the drafter's context of ctx tokens (drafting leaves that context as it was)."""
     t0 = time.perf_counter()
-    drafter.draft(last_token, ctx, target)
+    drafter.draft(last_token, ctx, target, **({"vocab": vocab} if vocab is not None else {}))
     return (time.perf_counter() - t0) * 1e3
 
 
