@@ -120,10 +120,11 @@ def test_train_stages_from_the_cli(tiny_llama_dir, tiny_target, tmp_path, capsys
     assert main(["train", "data", *base, "--num-prompts", "12", "--max-new-tokens", "16"]) == 0
     assert main(["train", "features", *base, "--layers", "1,2", "--time-limit", "600"]) == 0
     assert main(["train", "dflash", *base, "--steps", "3", "--num-layers", "1", "--seqs-per-step", "2",
-                 "--anchors-per-seq", "2", "--vocab-min-count", "2"]) == 0
+                 "--anchors-per-seq", "2", "--vocab-min-count", "2", "--vocab-top", "64"]) == 0
     drafter = dt.load_drafter(f"{work}/dflash/model", target=tiny_target)
     assert drafter.config.target_layer_ids == [1, 2] and drafter.config.shift_label
-    assert json.loads(open(f"{work}/dflash/train_config.json").read())["vocab_min_count"] == 2
+    config = json.loads(open(f"{work}/dflash/train_config.json").read())
+    assert (config["vocab_min_count"], config["vocab_top"]) == (2, 64)
     # a head alone on that backbone, kept fixed, with its own batch order
     assert main(["train", "domino", *base, "--steps", "2", "--num-layers", "1", "--seqs-per-step", "2",
                  "--anchors-per-seq", "2", "--init-from", f"{work}/dflash/model", "--freeze-backbone",
@@ -141,6 +142,14 @@ def test_train_stages_from_the_cli(tiny_llama_dir, tiny_target, tmp_path, capsys
     rows = json.loads(open(f"{work}/eval.json").read())["rows"]
     assert {r["dataset"]: r["prompts"] for r in rows} == {"train-instruction": 1, "train-code": 1,
                                                           "train-math": 1, "all": 3}
+    # ... drafting from the 64 tokens the workdir's responses hold most (a bad size is a clear error)
+    assert main(["train", "eval", *base[:2], "--drafters", f"{work}/dflash/model", "--training-prompts", "0:40",
+                 "--max-samples", "1", "--max-new-tokens", "6", "--draft-vocab", "64",
+                 "--draft-vocab-source", f"{work}/data", "--out", f"{work}/eval_dv.json"]) == 0
+    assert len(json.loads(open(f"{work}/eval_dv.json").read())["rows"]) == 4
+    code, _, err = run_cli(capsys, "train", "eval", *base[:2], "--drafters", f"{work}/dflash/model",
+                           "--training-prompts", "0:40", "--draft-vocab", "100000", "--draft-vocab-source", f"{work}/data")
+    assert code == 2 and "draft_vocab must be an integer in 1..96" in err
     code, _, err = run_cli(capsys, "train", "eval", *base[:2], "--drafters", f"{work}/dflash/model",
                            "--training-prompts", "9:3")
     assert code == 2 and "START < END" in err

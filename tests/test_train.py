@@ -301,6 +301,30 @@ def test_training_vocab_is_the_data_tokens(tiny_data):
         training_vocab(store, 96, "data", min_count=int(counts.max()) + 1)
 
 
+def test_vocab_top_keeps_the_most_frequent_response_tokens(tiny_data, tmp_path):
+    """The cap ranks response tokens only, ties by id, exactly as draft_vocab.py ranks a shard dir."""
+    from dominotree.draft_vocab import token_ranking
+    from dominotree.train.dflash import response_ranking, training_vocab
+    root, store = tiny_data
+    ranking = response_ranking(store, 96)
+    counts = np.zeros(96, dtype=np.int64)
+    for i in range(len(store)):
+        toks, _, plen = store.sequence(i)
+        counts += np.bincount(toks[plen:].numpy(), minlength=96)
+    assert ranking.tolist() == np.argsort(-counts, kind="stable").tolist()
+    token_ranking.cache_clear()
+    assert ranking.tolist() == token_ranking(str(root / "data"), 96).tolist()   # the same store: the same order
+    ids, remap = training_vocab(store, 96, "data", top=10)
+    assert sorted(ids.tolist()) == sorted(ranking[:10].tolist()) and (remap >= 0).sum() == 10
+    k = 3    # with a minimum count too: the tokens that pass both
+    ids, _ = training_vocab(store, 96, "data", min_count=k, top=10)
+    assert set(ids.tolist()) == {int(t) for t in ranking[:10] if (np.asarray(store.tokens) == t).sum() >= k}
+    with pytest.raises(ValueError, match="vocab_top"):
+        training_vocab(store, 96, "data", top=-1)
+    with pytest.raises(ValueError, match="vocab_top caps"):
+        training_vocab(store, 96, "full", top=10)
+
+
 def test_labels_outside_the_training_vocabulary_are_ignored(tiny_target, tiny_data, tmp_path):
     from dominotree.train.dflash import label_columns, training_vocab
     _, store = tiny_data

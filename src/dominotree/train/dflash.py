@@ -67,6 +67,9 @@ class TrainConfig:
     # afresh each step, so that the drafter also learns to keep the unseen ones down. "full": all tokens.
     vocab: str = "data"
     vocab_min_count: int = 1       # "data" vocabulary: tokens seen at least this often (rarer labels are ignored)
+    # "data" vocabulary: only the vocab_top tokens the responses hold most often (0: no cap), the
+    # set `draft_vocab=N` drafts from at inference; the LM-head product shrinks with it
+    vocab_top: int = 0
     negatives: int = 2048
     # Distillation: loss = (1 - distill) * CE(data token) + distill * CE(target's renormalised top-k),
     # from the feature store's cached top-k (`train features --topk K`). Soft labels carry the
@@ -135,7 +138,7 @@ def train(target, store: FeatureStore, tc: TrainConfig, progress: bool = True):
     low = torch.bfloat16 if tc.precision == "bf16" else torch.float32
     embed_w = target.model.get_input_embeddings().weight.detach().to(low)
     head_w = target.model.get_output_embeddings().weight.detach().to(low)
-    seen, remap = training_vocab(store, cfg.vocab_size, tc.vocab, tc.vocab_min_count)
+    seen, remap = training_vocab(store, cfg.vocab_size, tc.vocab, tc.vocab_min_count, tc.vocab_top)
     unseen = (remap < 0).nonzero()[:, 0]
     if tc.head and not head_loaded:
         with torch.no_grad():   # unseen tokens' correction starts at 0, not at random (negatives only push it down)
@@ -258,17 +261,27 @@ def load_head(drafter, src, src_path, tc: TrainConfig) -> None:
 
 
 def training_vocab(store: FeatureStore, vocab_size: int, mode: str,
-                   min_count: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+                   min_count: int = 1, top: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Token ids the loss's softmax runs over, and the map token id -> column (-1: not in it).
     "data": the tokens occurring in the store at least min_count times (the softmax's width is
-    most of a step's cost, and the long tail of once-seen tokens makes it wide on large data)."""
+    most of a step's cost, and the long tail of once-seen tokens makes it wide on large data);
+    with `top`, only the `top` tokens its responses hold most often (ties: the smaller id), as
+    draft_vocab.py ranks them for `draft_vocab=top`."""
     if mode == "full":
+        if top:
+            raise ValueError("vocab_top caps the 'data' vocabulary; --vocab full has no cap")
         ids = torch.arange(vocab_size)
     elif mode == "data":
         if min_count < 1:
             raise ValueError(f"vocab_min_count must be >= 1, got {min_count}")
+        if top < 0:
+            raise ValueError(f"vocab_top must be >= 0 (0: no cap), got {top}")
         toks, counts = np.unique(np.asarray(store.tokens), return_counts=True)
-        ids = torch.from_numpy(toks[counts >= min_count]).long()
+        keep = toks[counts >= min_count]
+        if top:
+            ranked = response_ranking(store, vocab_size)[:top]
+            keep = np.intersect1d(keep, ranked)
+        ids = torch.from_numpy(keep).long()
         if len(ids) == 0:
             raise ValueError(f"no token occurs {min_count} times in the data: lower vocab_min_count")
     else:
@@ -276,6 +289,14 @@ def training_vocab(store: FeatureStore, vocab_size: int, mode: str,
     remap = torch.full((vocab_size,), -1, dtype=torch.long)
     remap[ids] = torch.arange(len(ids))
     return ids, remap
+
+
+def response_ranking(store: FeatureStore, vocab_size: int) -> np.ndarray:
+    """Token ids by how often the store's responses (not its prompts) hold them; ties: the smaller id."""
+    lens = np.diff(store.offsets)
+    in_response = np.arange(int(store.offsets[-1])) - np.repeat(store.offsets[:-1], lens) >= np.repeat(store.prompt_lens, lens)
+    counts = np.bincount(np.asarray(store.tokens)[in_response], minlength=vocab_size)
+    return np.argsort(-counts, kind="stable")
 
 
 def label_columns(labels: torch.Tensor, remap: torch.Tensor) -> torch.Tensor:

@@ -20,8 +20,10 @@ def chain_method(drafter, method: str) -> str:
 
 
 def evaluate(target, drafters: dict, prompts, method: str = "auto", max_new_tokens: int = 96,
-             budget: int = 16, progress: bool = True) -> list[dict]:
-    """One row per (drafter, dataset) plus an "all" row each: mean per-prompt tau."""
+             budget: int = 16, progress: bool = True, draft_vocab: int = 0,
+             draft_vocab_source: str = "train-data") -> list[dict]:
+    """One row per (drafter, dataset) plus an "all" row each: mean per-prompt tau (with `draft_vocab`,
+    drafting from that many of the tokens the target writes most, as `generate` does)."""
     import dominotree as dt
     encoded = [target.encode_prompt(p.text) for p in prompts]
     rows = []
@@ -30,7 +32,8 @@ def evaluate(target, drafters: dict, prompts, method: str = "auto", max_new_toke
         m = chain_method(drafter, method)
         taus: dict[str, list[float]] = {}
         for p, ids in zip(prompts, encoded):
-            r = dt.generate(target, drafter, ids, method=m, max_new_tokens=max_new_tokens, budget=budget)
+            r = dt.generate(target, drafter, ids, method=m, max_new_tokens=max_new_tokens, budget=budget,
+                            draft_vocab=draft_vocab, draft_vocab_source=draft_vocab_source)
             taus.setdefault(p.dataset, []).append(r.stats["tau"])
             bar.update()
         for ds, t in taus.items():
@@ -85,7 +88,9 @@ def main(args, target=None) -> int:
     if not names:
         raise ValueError("--drafters needs at least one drafter name or checkpoint dir")
     drafters = {n: dt.load_drafter(n, target=target) for n in names}
-    rows = evaluate(target, drafters, prompts, args.method, args.max_new_tokens, args.budget)
+    rows = evaluate(target, drafters, prompts, args.method, args.max_new_tokens, args.budget,
+                    draft_vocab=getattr(args, "draft_vocab", 0),
+                    draft_vocab_source=getattr(args, "draft_vocab_source", "train-data"))
     table = markdown(rows)
     print(table)
     if args.out:

@@ -130,6 +130,9 @@ def add_train_parser(sub) -> None:
         r.add_argument("--vocab-min-count", type=int, default=1,
                        help="with --vocab data: only tokens seen at least this often (labels rarer than that "
                             "are ignored; a narrower softmax makes a step faster on large data)")
+        r.add_argument("--vocab-top", type=int, default=0,
+                       help="with --vocab data: only the N tokens the responses hold most often, the set "
+                            "`draft_vocab=N` drafts from (0: no cap); other labels are ignored")
         if name == "domino":
             r.add_argument("--no-head", action="store_true", help="ablation: backbone only")
             r.add_argument("--ttt", action="store_true", help="ablation: GRU fed its own drafts")
@@ -154,6 +157,9 @@ def add_train_parser(sub) -> None:
     e.add_argument("--max-samples", type=int, default=3, help="first N prompts of each dataset")
     e.add_argument("--max-new-tokens", type=int, default=96)
     e.add_argument("--budget", type=int, default=16, help="for tree methods")
+    e.add_argument("--draft-vocab", type=int, default=0,
+                   help="draft from the N tokens the target writes most (generate --draft-vocab; 0: all)")
+    e.add_argument("--draft-vocab-source", default="train-data", help="responses that rank them (see generate)")
     e.add_argument("--out", default=None, help="write the rows and the table as JSON here")
 
     a = ts.add_parser("all", help="data -> features -> dflash -> domino -> checkpoints/")
@@ -217,6 +223,7 @@ def run_train(args, name: str, target=None):
         emb_dim=getattr(args, "emb_dim", RECIPE["emb_dim"]), gru_hidden_dim=getattr(args, "gru_hidden_dim", RECIPE["gru_hidden_dim"]),
         ttt=getattr(args, "ttt", False), curriculum=not getattr(args, "no_curriculum", False),
         vocab=getattr(args, "vocab", "data"), vocab_min_count=getattr(args, "vocab_min_count", 1),
+        vocab_top=getattr(args, "vocab_top", 0),
         init_layers=getattr(args, "init_layers", RECIPE["init_layers"]),
         gamma=getattr(args, "gamma", RECIPE["gamma"]), distill=getattr(args, "distill", RECIPE["distill"]),
         freeze_backbone=getattr(args, "freeze_backbone", False), head_from=getattr(args, "head_from", None),
