@@ -294,7 +294,8 @@ def training_vocab(store: FeatureStore, vocab_size: int, mode: str,
 def response_ranking(store: FeatureStore, vocab_size: int) -> np.ndarray:
     """Token ids by how often the store's responses (not its prompts) hold them; ties: the smaller id."""
     lens = np.diff(store.offsets)
-    in_response = np.arange(int(store.offsets[-1])) - np.repeat(store.offsets[:-1], lens) >= np.repeat(store.prompt_lens, lens)
+    position = np.arange(int(store.offsets[-1])) - np.repeat(store.offsets[:-1], lens)   # within its sequence
+    in_response = position >= np.repeat(store.prompt_lens, lens)
     counts = np.bincount(np.asarray(store.tokens)[in_response], minlength=vocab_size)
     return np.argsort(-counts, kind="stable")
 
