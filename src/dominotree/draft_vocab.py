@@ -33,8 +33,12 @@ def token_ranking(data_dir: str, vocab_size: int) -> np.ndarray:
     if len(tokens) and int(tokens.max()) >= vocab_size:
         raise ValueError(f"the training shards in {data_dir} hold token id {int(tokens.max())}, beyond the "
                          f"target's vocabulary of {vocab_size}: they were written by another tokenizer")
-    counts = np.bincount(tokens, minlength=vocab_size)
-    return np.argsort(-counts, kind="stable")
+    return rank_by_count(tokens, vocab_size)
+
+
+def rank_by_count(tokens: np.ndarray, vocab_size: int) -> np.ndarray:
+    """Token ids by how often `tokens` holds them, most first; ties: the smaller id."""
+    return np.argsort(-np.bincount(tokens, minlength=vocab_size), kind="stable")
 
 
 def top_token_ids(ranking: np.ndarray, n: int, always=()) -> torch.Tensor:

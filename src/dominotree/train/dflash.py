@@ -296,8 +296,8 @@ def response_ranking(store: FeatureStore, vocab_size: int) -> np.ndarray:
     lens = np.diff(store.offsets)
     position = np.arange(int(store.offsets[-1])) - np.repeat(store.offsets[:-1], lens)   # within its sequence
     in_response = position >= np.repeat(store.prompt_lens, lens)
-    counts = np.bincount(np.asarray(store.tokens)[in_response], minlength=vocab_size)
-    return np.argsort(-counts, kind="stable")
+    from ..draft_vocab import rank_by_count
+    return rank_by_count(np.asarray(store.tokens)[in_response], vocab_size)
 
 
 def label_columns(labels: torch.Tensor, remap: torch.Tensor) -> torch.Tensor:

@@ -192,8 +192,9 @@ def run_features(args, target=None):
     from .features import FeatureStore, build_feature_store, build_target_topk, recorded_precision
     root, topk = Path(args.workdir) / "features", getattr(args, "topk", RECIPE["topk"])
     precision = getattr(args, "precision", "auto")
-    if precision == "auto" and recorded_precision(root):
-        precision = recorded_precision(root)       # continue the store's pass in its own precision
+    recorded = recorded_precision(root) if precision == "auto" else None
+    if recorded:
+        precision = recorded                       # continue the store's pass in its own precision
         print(f"target features: {precision}, as the store in {root} was started")
     dtype = DTYPES[resolve_precision(precision)]
     if target is None or target.dtype != dtype:     # `train all` hands over its bf16 data writer
