@@ -1,4 +1,5 @@
 """The benchmark harness: method specs, statistics, the T=0 equality check, files, report-only."""
+import csv
 import json
 import shutil
 
@@ -99,6 +100,35 @@ def test_a_lossy_method_fails_the_equality_check(bench_env, tiny_llama_dir, tmp_
     assert any(r["equality"] and r["equality"]["match"] == "diverged" for r in recs)
     assert "FAILED" in (out / "summary.md").read_text()
     assert cli_main(["bench", "--report-only", str(out)]) == 1     # the verdict survives a re-derivation
+
+
+def test_reference_sets_the_paired_tests_and_survives_report_only(bench_env, tiny_llama_dir, tmp_path, capsys):
+    out = tmp_path / "ref"
+    assert bench(bench_env, tiny_llama_dir, out, "ar,dflash,dominotree,dominotree:budget=4", "--max-samples", "2",
+                 "--warmup", "0", "--reference", "dominotree:budget=4") == 0
+    info = json.loads((out / "run.json").read_text())
+    assert info["reference"] == "dominotree:budget=4" and "--reference dominotree:budget=4" in info["command"]
+    md = (out / "summary.md").read_text()
+    assert "p vs dominotree:budget=4 |" in md and "against `dominotree:budget=4`" in md
+    recs = read_jsonl(out / "results.jsonl")
+    tpt = lambda m: [r["wall_time"] / r["new_tokens"] for r in recs if r["method"] == m]   # noqa: E731
+    rows = {r["method"]: r for r in csv.DictReader((out / "summary.csv").open()) if r["dataset"] == "all"}
+    assert rows["dominotree:budget=4"]["p_vs_ref"] == ""                     # the reference itself
+    assert float(rows["dflash"]["p_vs_ref"]) == pytest.approx(wilcoxon_p(tpt("dominotree:budget=4"), tpt("dflash")))
+
+    before = (out / "summary.md").read_bytes()
+    assert cli_main(["bench", "--report-only", str(out)]) == 0               # kept in run.json: same tests
+    assert (out / "summary.md").read_bytes() == before
+    assert cli_main(["bench", "--report-only", str(out), "--reference", "dflash"]) == 0
+    assert "p vs dflash |" in (out / "summary.md").read_text()
+    assert json.loads((out / "run.json").read_text())["reference"] == "dflash"
+
+    assert cli_main(["bench", "--report-only", str(out), "--reference", "ddtree"]) == 2    # not in this run
+    assert json.loads((out / "run.json").read_text())["reference"] == "dflash"             # left as it was
+    assert bench(bench_env, tiny_llama_dir, tmp_path / "bad", "ar,dflash", "--reference", "dominotree") == 2
+    assert not (tmp_path / "bad").exists()                                                 # failed before running
+    err = capsys.readouterr().err
+    assert "--reference 'ddtree' is not a method of this run" in err and "Traceback" not in err
 
 
 def test_bootstrap_ci_contains_the_mean_and_is_deterministic():

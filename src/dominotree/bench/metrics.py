@@ -55,8 +55,13 @@ def survival(accepted: list[int]) -> list[float]:
     return acceptance_survival(accepted, max(accepted, default=0))
 
 
-def reference_method(labels: list[str]) -> str | None:
-    """The method the paired tests compare everything against: `dominotree` (or its first variant)."""
+def reference_method(labels: list[str], preferred: str | None = None) -> str | None:
+    """The method the paired tests compare everything against: `preferred` (`bench --reference`), else
+    `dominotree` (or its first variant)."""
+    if preferred is not None:
+        if preferred not in labels:
+            raise ValueError(f"--reference {preferred!r} is not a method of this run; choose from {', '.join(labels)}")
+        return preferred
     if "dominotree" in labels:
         return "dominotree"
     return next((m for m in labels if m.split(":")[0] == "dominotree"), None)
@@ -66,11 +71,12 @@ def _ordered(values):
     return list(dict.fromkeys(values))
 
 
-def summarize(records: list[dict]) -> list[dict]:
-    """One row per (temperature, dataset, method), datasets in run order plus `all` when > 1."""
+def summarize(records: list[dict], reference: str | None = None) -> list[dict]:
+    """One row per (temperature, dataset, method), datasets in run order plus `all` when > 1; p-values
+    against `reference_method(labels, reference)`."""
     temps, datasets = _ordered(r["temperature"] for r in records), _ordered(r["dataset"] for r in records)
     labels = _ordered(r["method"] for r in records)
-    ref = reference_method(labels)
+    ref = reference_method(labels, reference)
     key = lambda r: (r["dataset"], r["question_id"], r["temperature"])   # noqa: E731
     by = {(r["method"],) + key(r): r for r in records}
     rows = []

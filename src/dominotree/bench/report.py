@@ -32,15 +32,24 @@ def problems(records: list[dict]) -> list[dict]:
     return [r for r in records if (r.get("equality") or {}).get("match") in ("tie", "diverged")]
 
 
-def write_reports(out: Path) -> tuple[list[dict], list[dict]]:
-    """Write every report file; returns (summary rows, records)."""
+def write_reports(out: Path, reference: str | None = None) -> tuple[list[dict], list[dict]]:
+    """Write every report file; returns (summary rows, records). `reference` (a method label) sets the
+    method the paired tests compare against and is kept in run.json, so later re-derivations agree."""
     out = Path(out)
     records, info = read_run(out)
-    rows = summarize(records)
+    if reference is not None:
+        reference_method(_labels(records), reference)          # a clear error before anything is written
+        info["reference"] = reference
+        (out / RUN_INFO).write_text(json.dumps(info, indent=1) + "\n")
+    rows = summarize(records, info.get("reference"))
     (out / "summary.md").write_text(markdown(rows, records, info), encoding="utf-8")
     write_csv(rows, out / "summary.csv")
     plot(rows, records, out)
     return rows, records
+
+
+def _labels(records: list[dict]) -> list[str]:
+    return list(dict.fromkeys(r["method"] for r in records))
 
 
 def overall(rows: list[dict]) -> str:
@@ -61,7 +70,7 @@ def _p(x) -> str:
 
 
 def markdown(rows: list[dict], records: list[dict], info: dict) -> str:
-    ref = reference_method(list(dict.fromkeys(r["method"] for r in records)))
+    ref = reference_method(_labels(records), info.get("reference"))
     lines = ["# dominotree bench", "", "Command (every option explicit):", "", f"    {info.get('command', '?')}", ""]
     for k in ("model", "dflash_drafter", "domino_drafter", "cost_model"):
         if info.get(k):

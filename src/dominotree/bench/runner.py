@@ -17,7 +17,7 @@ from ..machine import machine_info
 from ..packed import packing
 from .datasets import DATASETS, DEFAULT_DATASETS, Prompt, load_dataset
 from .methods import ALL_METHODS, PRESETS, expand_methods, run_hf_peer
-from .metrics import BASELINE
+from .metrics import BASELINE, reference_method
 from .report import RESULTS, RUN_INFO, problems, write_reports
 
 DEFAULT_DRAFTERS = {"dflash": "smollm2-135m-dflash", "domino": "smollm2-135m-domino"}
@@ -52,6 +52,9 @@ def add_bench_parser(sub) -> None:
     b.add_argument("--warmup", type=int, default=1, help="untimed short generations per method before timing")
     b.add_argument("--tie-tol", type=float, default=0.25,
                    help="top-2 logit gap at or below which a T=0 divergence counts as a floating-point near-tie")
+    b.add_argument("--reference", metavar="LABEL", default=None,
+                   help="the method the paired tests compare every other against, as labelled in --methods "
+                        "(default: dominotree, or its first variant); with --report-only, re-derives the tests")
     b.add_argument("--report-only", metavar="DIR", default=None,
                    help="re-derive summary.md, summary.csv and plots from DIR/results.jsonl")
     b.add_argument("--build-time", action="store_true",
@@ -63,13 +66,15 @@ def add_bench_parser(sub) -> None:
 
 def main(args) -> int:
     if args.report_only:
-        _, records = write_reports(Path(args.report_only))
+        _, records = write_reports(Path(args.report_only), args.reference)
         print(f"reports written to {args.report_only}", file=sys.stderr)
         return verdict(records)
     if not args.out:
         raise ValueError("bench needs --out DIR (or --report-only DIR)")
     specs = expand_methods(args.methods, args.preset)
     temps = _floats(args.temperatures, "--temperatures")
+    if args.reference is not None:
+        reference_method([s.label for s in specs], args.reference)     # fail before loading anything
     for flag, v, lo in (("--max-samples", args.max_samples, 1), ("--max-new-tokens", args.max_new_tokens, 1),
                         ("--budget", args.budget, 1), ("--warmup", args.warmup, 0), ("--tie-tol", args.tie_tol, 0)):
         if v < lo:
@@ -86,7 +91,7 @@ def main(args) -> int:
     out.mkdir(parents=True, exist_ok=True)
     cost_model = ensure_cost_model(args, target, drafters, specs, out)
     info = {"command": command_line(args), "model": args.model, "packed": target.packed,
-            "cost_model": cost_model, "tie_tol": args.tie_tol, "machine": machine_info(),
+            "cost_model": cost_model, "tie_tol": args.tie_tol, "reference": args.reference, "machine": machine_info(),
             **{f"{k}_drafter": names[k] for k in drafters}}
     (out / RUN_INFO).write_text(json.dumps(info, indent=1) + "\n")
 
