@@ -12,7 +12,7 @@ from dominotree.drafters import DominoHead
 from dominotree.trees.caddtree import CostModel, build_caddtree, monotone_convex_fit, profile
 from dominotree.trees.ddtree import build_ddtree
 from dominotree.trees.dominotree import build_dominotree
-from dominotree.trees.fast import build_dominotree_fast
+from dominotree.trees.fast import GruInputs, HeadWeights, build_dominotree_fast, gru_from_halves
 from dominotree.trees.tree import DraftTree
 
 
@@ -166,6 +166,43 @@ def test_fast_builder_equals_reference(seed):
     assert torch.equal(ref.tokens, fast.tokens), kw
     assert torch.equal(ref.parents, fast.parents), kw
     assert torch.allclose(ref.scores, fast.scores, atol=1e-5), kw
+
+
+def test_gru_input_table_rows_are_the_product_whatever_the_order_and_follow_the_weights():
+    g = torch.Generator().manual_seed(0)
+    embed, w_ih = torch.randn(100, 16, generator=g), torch.randn(24, 16, generator=g)
+    want = F.linear(embed, w_ih)
+    a, b = GruInputs(embed, w_ih, block=32), GruInputs(embed, w_ih, block=32)
+    first = a.rows([99, 5, 64, 5])                        # 99: the last, shorter block
+    assert torch.allclose(first, want[[99, 5, 64, 5]], atol=1e-5)
+    assert a.ready == {0, 2, 3}                            # only the blocks asked for
+    for t in range(100):                                   # same values whichever tokens came first
+        b.rows([t])
+    assert torch.equal(a.rows([5, 64, 99, 31]), b.rows([5, 64, 99, 31]))
+    head = random_problem(0)[0]
+    W = HeadWeights(head)
+    e = torch.randn(40, 64, generator=g)
+    G = W.w_hh.shape[1]
+    s = torch.randn(2, G, generator=g)
+    plain = W.gru(s, e[[3, 7]])                            # the GRU step with both products made afresh
+    halves = gru_from_halves(W.input_rows(e, [3, 7]), F.linear(s, W.s_proj)[:, -3 * G:], s)
+    assert torch.allclose(halves, plain, atol=1e-5)
+    table = W.inputs
+    assert W.input_rows(e, [3]) is not None and W.inputs is table           # kept across calls
+    with torch.no_grad():
+        e.mul_(2)                                                              # weights changed in place
+    assert torch.allclose(W.input_rows(e, [3, 7]), F.linear(e[[3, 7]], W.w_ih), atol=1e-5) and W.inputs is not table
+
+
+def test_domino_drafter_keeps_one_tree_weights_until_its_head_changes():
+    from conftest import random_drafter
+    d = random_drafter(True)
+    w = d.tree_weights()
+    assert d.tree_weights() is w
+    with torch.no_grad():
+        d.head.embed_proj[0].weight.add_(1.0)
+    w2 = d.tree_weights()
+    assert w2 is not w and torch.equal(w2.w1_h, d.head.embed_proj[0].weight.float()[:, :d.config.hidden_size])
 
 
 # ----------------------------------------------------------------------------- CaDDTree

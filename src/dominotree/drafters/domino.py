@@ -131,6 +131,15 @@ class DominoDrafter(DFlashDrafter):
         float32: the per-node matrix-vector products are ~10x slower in bf16 on CPU)."""
         return self._float_cache_entry()["head"]
 
+    def tree_weights(self):
+        """The fast tree builder's view of the float head (trees/fast.HeadWeights), kept with it so
+        that its table of GRU input rows lasts across requests."""
+        entry = self._float_cache_entry()
+        if entry.get("tree_weights") is None:
+            from ..trees.fast import HeadWeights
+            entry["tree_weights"] = HeadWeights(entry["head"])
+        return entry["tree_weights"]
+
     def w2_bound(self) -> W2Bound:
         """The chain's bound on W2 z (`corrected_argmax`), built on the float head's W2."""
         entry = self._float_cache_entry()

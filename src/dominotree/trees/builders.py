@@ -10,7 +10,7 @@ from .caddtree import CostModel, build_caddtree
 from .chain import dflash_chain, domino_chain
 from .ddtree import build_ddtree
 from .dominotree import build_dominotree, path_probability_stop
-from .fast import HeadWeights, build_dominotree_fast
+from .fast import build_dominotree_fast
 
 DEFAULT_COST_MODEL = "cost_model.json"
 
@@ -50,7 +50,7 @@ def make_builder(cfg: SpecConfig, target, drafter):
     cost = load_cost_model(cfg, target) if method in ("caddtree", "condadaptive") else None
     if needs_head and method != "domino":
         head32 = drafter.float_head()   # builders score in float32
-        weights = HeadWeights(head32)
+        weights = drafter.tree_weights()
         embed_w = target.model.get_input_embeddings().weight
         tree_fn = build_dominotree_fast if cfg.builder == "fast" else build_dominotree
 

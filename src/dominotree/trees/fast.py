@@ -4,7 +4,11 @@ A node's GRU step and its children's scores depend only on its own path, so they
 computed before it is popped. When a popped node has no cached expansion, the builder expands
 it together with the best entries still on the heap (the nodes most likely to be popped next)
 in one batched call. Per round it also hoists what every node shares: the top-M candidates,
-their base logits and W2 rows, and W1's hidden-state half applied to H_d.
+their base logits and W2 rows, and W1's hidden-state half applied to H_d. Per node it makes one
+product with the new state, [W1_s; W_hh] s: the first half scores the node's children, the second
+is the GRU's state half for every child of it (shared by all siblings); the GRU's input half,
+W_ih e(t), is a row of a table kept across rounds (`GruInputs`). So a batch of expansions costs two
+small matrix products instead of four, the largest of them (W_ih, 3G x h) gone.
 The pop sequence, tokens and parents are those of trees/dominotree.build_dominotree.
 """
 from __future__ import annotations
@@ -20,8 +24,37 @@ from .dominotree import _embedder, depth_candidates, greedy_chain_states, margin
 from .tree import DraftTree
 
 
+class GruInputs:
+    """W_ih e(t), the GRU's input half, for tokens t of a fixed embedding matrix, kept once computed.
+
+    Rows are computed in fixed blocks of `block` consecutive ids, the first time a token of the
+    block is needed: every row always comes from the same product shape, so its value does not
+    depend on which tokens were asked for first (the trees stay deterministic across requests).
+    Memory grows with the blocks touched, at most vocabulary x 3G floats."""
+
+    def __init__(self, embed: torch.Tensor, w_ih: torch.Tensor, block: int = 32):
+        self.embed, self.w_ih, self.block = embed, w_ih, block
+        self.table = torch.empty(embed.shape[0], w_ih.shape[0])   # pages are committed as rows are written
+        self.ready: set[int] = set()
+        self.versions = (embed._version, w_ih._version)
+
+    def matches(self, embed: torch.Tensor, w_ih: torch.Tensor) -> bool:
+        """Built for this embedding and these (unmodified) weights."""
+        return (embed is self.embed and w_ih.data_ptr() == self.w_ih.data_ptr()
+                and (embed._version, w_ih._version) == self.versions)
+
+    def rows(self, tokens: list[int]) -> torch.Tensor:
+        """[len(tokens), 3G]."""
+        for b in {t // self.block for t in tokens} - self.ready:
+            lo, hi = b * self.block, min((b + 1) * self.block, self.embed.shape[0])
+            self.table[lo:hi] = F.linear(self.embed[lo:hi].float(), self.w_ih)
+            self.ready.add(b)
+        return self.table[tokens]
+
+
 class HeadWeights:
-    """float32 views of a DominoHead's weights, split for the hoisted computation."""
+    """float32 views of a DominoHead's weights, split for the hoisted computation, and the GRU
+    input table made on first use (keep one HeadWeights across rounds: DominoDrafter.tree_weights)."""
 
     def __init__(self, head):
         h = head.config.hidden_size
@@ -30,9 +63,26 @@ class HeadWeights:
         w1 = head.embed_proj[0].weight.detach().float()
         self.w1_h, self.w1_s = w1[:, :h], w1[:, h:]
         self.w2 = head.embed_proj[2].weight.detach().float()
+        self.s_proj = torch.cat([self.w1_s, self.w_hh])         # [r + 3G, G]: one product per new state
+        self.inputs: GruInputs | None = None
 
     def gru(self, state, x):
         return gru_cell(state, x, self.w_ih, self.w_hh)
+
+    def input_rows(self, embed, tokens: list[int]) -> torch.Tensor:
+        """W_ih e(t) for the tokens: from the kept table when `embed` is a weight matrix."""
+        if not isinstance(embed, torch.Tensor):
+            return F.linear(_embedder(embed)(torch.tensor(tokens)), self.w_ih)
+        if self.inputs is None or not self.inputs.matches(embed, self.w_ih):
+            self.inputs = GruInputs(embed, self.w_ih)
+        return self.inputs.rows(tokens)
+
+
+def gru_from_halves(gi: torch.Tensor, gh: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+    """gru_cell's step from its two products: gi = W_ih x, gh = W_hh state (gate order r, z, n)."""
+    G = state.shape[-1]
+    r, z = torch.sigmoid(gi[:, :2 * G] + gh[:, :2 * G]).chunk(2, -1)
+    return (1 - z) * torch.tanh(gi[:, 2 * G:] + r * gh[:, 2 * G:]) + z * state
 
 
 def build_dominotree_fast(base_logits: torch.Tensor, hidden: torch.Tensor, head, embed, root_token: int,
@@ -45,6 +95,7 @@ def build_dominotree_fast(base_logits: torch.Tensor, hidden: torch.Tensor, head,
     W = weights or HeadWeights(head)
     emb = _embedder(embed)
     k = min(node_topk, base_logits.shape[-1] if corr_topm is None else min(corr_topm, base_logits.shape[-1]))
+    r = W.w1_s.shape[0]
     cands = depth_candidates(base_logits, corr_topm)
     # Hoisted per round: W1_h H_d, candidate base logits and W2 rows, prefix-depth children.
     zh = F.linear(hidden[:D], W.w1_h) if D else None
@@ -54,13 +105,20 @@ def build_dominotree_fast(base_logits: torch.Tensor, hidden: torch.Tensor, head,
         w2_c = W.w2[cands[:D].reshape(-1)]                    # [D * M, r]: every depth's candidate rows
     prefix_kids = {d: marginal_children(base_logits[d - 1], node_topk, None if cands is None else cands[d - 1])
                    for d in range(1, min(prefix_len, D) + 1)}
-    root_state = W.gru(torch.zeros(1, W.w_hh.shape[1]), emb(torch.tensor([root_token])))
+    G = W.w_hh.shape[1]
+    root_state = gru_from_halves(W.input_rows(embed, [root_token]), torch.zeros(1, 3 * G), torch.zeros(1, G))
     fixed = None
     if conditioning == "greedy":
         fixed = torch.cat(greedy_chain_states(base_logits, hidden, head, emb, root_state, prefix_len, cands))
 
-    def expand(states: torch.Tensor, child_depths: list[int]):
-        """Children (tokens, log-probs) for a batch of parent states at the given child depths."""
+    def project(states: torch.Tensor):
+        """(W1_s s, W_hh s) for new states: the first scores their children, the second is the GRU's
+        state half for every child of them."""
+        both = F.linear(states, W.s_proj)
+        return both[:, :r], both[:, r:]
+
+    def expand(zs: torch.Tensor, child_depths: list[int]):
+        """Children (tokens, log-probs) at the given child depths of parents whose W1_s s rows are zs."""
         out = [None] * len(child_depths)
         rows = [i for i, d in enumerate(child_depths) if d > prefix_len]
         for i, d in enumerate(child_depths):
@@ -69,17 +127,22 @@ def build_dominotree_fast(base_logits: torch.Tensor, hidden: torch.Tensor, head,
         if not rows:
             return out
         di = torch.tensor([child_depths[i] - 1 for i in rows])
-        s = fixed[di] if fixed is not None else states[rows]
-        z = F.silu(zh[di] + F.linear(s, W.w1_s))              # [n, r]
+        zs = F.linear(fixed[di], W.w1_s) if fixed is not None else zs[rows]
+        z = F.silu(zh[di] + zs)                               # [n, r]
         if cands is None:
             lp = torch.log_softmax(base_logits[di] + F.linear(z, W.w2), -1)
             top = torch.topk(lp, k, dim=-1)
             ids, vals = top.indices, top.values
         else:
-            # One product against all depths' candidates, then each row's own depth: cheaper
-            # here than gathering [n, M, r] W2 rows per expansion.
-            every = F.linear(z, w2_c).view(len(rows), D, M)
-            corrected = base_c[di] + every[torch.arange(len(rows)), di]
+            depth_set = {child_depths[i] for i in rows}
+            if len(depth_set) == 1:                           # the usual batch: one depth's candidates
+                d = depth_set.pop() - 1
+                corrected = base_c[d] + F.linear(z, w2_c[d * M:(d + 1) * M])
+            else:
+                # One product against all depths' candidates, then each row's own depth: cheaper
+                # here than gathering [n, M, r] W2 rows per expansion.
+                every = F.linear(z, w2_c).view(len(rows), D, M)
+                corrected = base_c[di] + every[torch.arange(len(rows)), di]
             if normalization == "topm":
                 lp = torch.log_softmax(corrected, -1)
             else:
@@ -90,12 +153,14 @@ def build_dominotree_fast(base_logits: torch.Tensor, hidden: torch.Tensor, head,
             out[rows[j]] = (t, v)
         return out
 
+    root_zs, root_hh = project(root_state)
     tokens, parents, depths, scores = [root_token], [-1], [0], [0.0]
-    states: list[torch.Tensor | None] = [root_state[0]]
-    cache: dict[int, tuple] = {}           # heap entry id -> (state, children)
+    states: list[torch.Tensor] = [root_state[0]]
+    hhs: list[torch.Tensor | None] = [root_hh[0]]     # W_hh s of each tree node (None: at the depth limit)
+    cache: dict[int, tuple] = {}           # heap entry id -> (state, W_hh state, children)
     heap, counter = [], 0
     if D >= 1:
-        for tok, lp in zip(*expand(root_state, [1])[0]):
+        for tok, lp in zip(*expand(root_zs, [1])[0]):
             heapq.heappush(heap, (-lp, counter, tok, 1, 0))
             counter += 1
     while heap and len(tokens) - 1 < budget:
@@ -107,19 +172,25 @@ def build_dominotree_fast(base_logits: torch.Tensor, hidden: torch.Tensor, head,
             room = budget - (len(tokens) - 1)
             batch = [entry] + heapq.nsmallest(min(lookahead, room) - 1, heap) if room > 1 else [entry]
             batch = [e for e in batch if e[1] not in cache]
-            par = torch.stack([states[e[4]] for e in batch])
-            new_states = W.gru(par, emb(torch.tensor([e[2] for e in batch])))
+            par = [e[4] for e in batch]
+            new_states = gru_from_halves(W.input_rows(embed, [e[2] for e in batch]),
+                                         torch.stack([hhs[p] for p in par]), torch.stack([states[p] for p in par]))
             grow = [i for i, e in enumerate(batch) if e[3] < D]     # nodes at the depth limit have no children
-            kids = dict(zip(grow, expand(new_states[grow], [batch[i][3] + 1 for i in grow]))) if grow else {}
+            kids, hh = {}, {}
+            if grow:
+                zs, hh_rows = project(new_states[grow])
+                kids = dict(zip(grow, expand(zs, [batch[i][3] + 1 for i in grow])))
+                hh = dict(zip(grow, hh_rows))
             for i, (e, s) in enumerate(zip(batch, new_states)):
-                cache[e[1]] = (s, kids.get(i))
-        state, kids = cache.pop(eid)
+                cache[e[1]] = (s, hh.get(i), kids.get(i))
+        state, state_hh, kids = cache.pop(eid)
         idx = len(tokens)
         tokens.append(tok)
         parents.append(parent)
         depths.append(depth)
         scores.append(-neg)
         states.append(state)
+        hhs.append(state_hh)
         if kids is not None:
             for ctok, lp in zip(*kids):
                 heapq.heappush(heap, (neg - lp, counter, ctok, depth + 1, idx))
