@@ -10,6 +10,7 @@ import torch.nn.functional as F
 import dominotree as dt
 from conftest import VOCAB, random_drafter
 from dominotree.draft_vocab import DraftVocab, draft_vocab_for, token_ranking, top_token_ids
+from dominotree.drafters import DraftOutput
 from dominotree.engine import GenerationStream
 from dominotree.packed import packing_available
 from dominotree.train.data import Sequence, write_shard
@@ -88,6 +89,37 @@ def test_generation_drafts_only_the_subset_and_stays_lossless(tiny_target, tmp_p
     assert drafted and set(drafted) <= subset
     # the control: the full vocabulary drafts even ids too, so the check above can fail
     assert any(int(t) not in subset for tree in full_trees for t in tree.tokens[1:])
+
+
+def test_tree_builders_read_compact_rows_and_only_chains_widen_them(tiny_target, tmp_path, monkeypatch):
+    """A draft over a draft vocabulary keeps its logits compact: DDTree and DominoTree build from
+    them and never make the [D, V] rows; the DFlash chain reads those (the control) and gets the
+    compact scores widened with -inf off the subset."""
+    source = shard_dir(tmp_path / "s", [list(range(1, VOCAB, 2)) * 3])
+    widened, expand = [], DraftVocab.expand
+    monkeypatch.setattr(DraftVocab, "expand", lambda self, c: widened.append(c.shape) or expand(self, c))
+    kw = dict(max_new_tokens=12, budget=8, corr_topm=16, draft_vocab=48, draft_vocab_source=source)
+    for method in ("ddtree", "dominotree"):
+        dt.generate(tiny_target, random_drafter(method == "dominotree", seed=5), PROMPT, method=method, **kw)
+    assert widened == []
+    drafter = random_drafter(False, seed=5)
+    dt.generate(tiny_target, drafter, PROMPT, method="dflash", **kw)
+    assert widened
+
+
+def test_a_draft_output_widens_its_compact_scores_when_read():
+    torch.manual_seed(0)
+    vocab = DraftVocab(nn.Linear(32, 200, bias=False), torch.tensor([0, 3, 17, 64, 199]))
+    rows, hidden = torch.randn(3, 32), torch.zeros(3, 8)
+    out = DraftOutput(hidden, vocab=vocab, vocab_logits=vocab.compact(rows))
+    logits, ids = out.scores()
+    assert torch.equal(ids, vocab.ids) and torch.equal(logits, vocab.compact(rows))
+    assert torch.equal(out.base_logits, vocab.logits(rows))
+    plain = DraftOutput(hidden, vocab.logits(rows))
+    assert plain.scores()[1] is None and plain.scores()[0] is plain.base_logits
+    for bad in (dict(), dict(base_logits=logits, vocab=vocab, vocab_logits=logits), dict(vocab_logits=logits)):
+        with pytest.raises(ValueError, match="either base_logits or a vocab"):
+            DraftOutput(hidden, **bad)
 
 
 def test_draft_vocab_keeps_the_target_distribution_at_t1(tiny_target, tmp_path):

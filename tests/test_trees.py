@@ -65,6 +65,22 @@ def test_ddtree_on_a_real_sized_vocabulary(seed):
     check_structure(tree)
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_ddtree_on_compact_rows_is_the_vocabulary_wide_tree(seed):
+    """A draft vocabulary's compact rows with their token ids give the tree of the [D, V] rows
+    that are -inf off the subset."""
+    g = torch.Generator().manual_seed(seed)
+    D, V, budget = 4, 300, 12
+    ids = torch.randperm(V, generator=g)[:40].sort().values
+    compact = torch.randn(D, len(ids), generator=g) * 3
+    full = torch.full((D, V), float("-inf")).index_copy_(1, ids, compact)
+    a = build_ddtree(torch.log_softmax(full, -1), budget, root_token=2)
+    b = build_ddtree(torch.log_softmax(compact, -1), budget, root_token=2, token_ids=ids)
+    assert torch.equal(a.tokens, b.tokens) and torch.equal(a.parents, b.parents)
+    assert torch.allclose(a.scores, b.scores, atol=1e-5)
+    assert set(b.tokens[1:].tolist()) <= set(ids.tolist())
+
+
 def test_ddtree_ties_are_deterministic():
     lp = torch.log_softmax(torch.zeros(3, 4), -1)     # everything ties
     a, b = build_ddtree(lp, 10), build_ddtree(lp, 10)
@@ -166,6 +182,32 @@ def test_fast_builder_equals_reference(seed):
     assert torch.equal(ref.tokens, fast.tokens), kw
     assert torch.equal(ref.parents, fast.parents), kw
     assert torch.allclose(ref.scores, fast.scores, atol=1e-5), kw
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_dominotree_on_compact_rows_is_the_vocabulary_wide_tree(seed):
+    """Both builders given a draft vocabulary's compact rows and token ids build the tree of the
+    [D, V] rows that are -inf off the subset: in the published setting from the compact rows
+    alone, in the settings that score the whole vocabulary (no top-M, exact normalisation,
+    greedy conditioning, M = N) from rows they widen."""
+    g = torch.Generator().manual_seed(20_000 + seed)
+    pick = lambda xs: xs[int(torch.randint(len(xs), (1,), generator=g))]
+    V, D, N = pick([64, 200, 4096]), pick([1, 3, 8]), pick([16, 24, 40])
+    head, _, hidden, embed = random_problem(seed, V=V, D=D)
+    ids = torch.randperm(V, generator=g)[:N].sort().values
+    compact = torch.randn(D, N, generator=g) * pick([0.5, 2.0, 5.0])
+    full = torch.full((D, V), float("-inf")).index_copy_(1, ids, compact)
+    kw = dict(budget=pick([1, 4, 16, 32]), node_topk=pick([1, 2, 4, 8]), corr_topm=pick([None, 8, 16, N]),
+              normalization=pick(["topm", "topm", "exact"]), prefix_len=pick([0, 1, 2]),
+              conditioning=pick(["path", "path", "greedy"]))
+    with torch.no_grad():
+        wide = build_dominotree(full, hidden, head, embed, 5, **kw)
+        ref = build_dominotree(compact, hidden, head, embed, 5, vocab_ids=ids, **kw)
+        fast = build_dominotree_fast(compact, hidden, head, embed, 5, vocab_ids=ids, **kw)
+    for tree in (ref, fast):
+        assert torch.equal(wide.tokens, tree.tokens) and torch.equal(wide.parents, tree.parents), kw
+        assert torch.allclose(wide.scores, tree.scores, atol=1e-5), kw
+    assert set(ref.tokens[1:].tolist()) <= set(ids.tolist())
 
 
 def test_gru_input_table_rows_are_the_product_whatever_the_order_and_follow_the_weights():

@@ -4,8 +4,9 @@ A DFlash drafter has no LM head of its own: it reuses the target's, a [V, h] mat
 for SmolLM2, 57 MB in bf16) that a draft reads once per round for a handful of rows. On a CPU that
 read is memory-bound and costs about as much as the drafter's layers. Scoring only the N tokens the
 target writes most often (the frequency-ranked draft vocabulary of FR-Spec; EAGLE-3's `d2t` map is
-the same idea) reads N / V of it. Every other token gets a base logit of -inf, so no chain or tree
-drafts it. Verification is unchanged, so the output is the target's as with any draft (greedy:
+the same idea) reads N / V of it. The draft keeps those logits compact, [D, N]: the tree builders
+scan N columns instead of V (their top-k and normalisers), and whatever reads vocabulary-wide rows
+sees -inf on every other token, so no chain or tree drafts it. Verification is unchanged, so the output is the target's as with any draft (greedy:
 its tokens, up to the floating-point near-ties a different tree's verify batch can tip); a token
 left out only costs acceptance where the target writes it, and the lookup branches still propose
 any token. The ranking comes from the target's own training responses
@@ -65,11 +66,18 @@ class DraftVocab:
     def __len__(self) -> int:
         return len(self.ids)
 
+    def compact(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits [n, N] of the subset's tokens (column j scores token ids[j])."""
+        return self.head(hidden).float()
+
+    def expand(self, compact: torch.Tensor) -> torch.Tensor:
+        """Vocabulary-wide logits [n, V] from compact ones: the subset's scores, -inf elsewhere."""
+        out = torch.full((compact.shape[0], self.vocab_size), float("-inf"), device=compact.device)
+        return out.index_copy_(1, self.ids, compact)
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits [n, V] for hidden rows [n, h]: the subset's scores, -inf elsewhere."""
-        sub = self.head(hidden).float()
-        out = torch.full((sub.shape[0], self.vocab_size), float("-inf"), device=sub.device)
-        return out.index_copy_(1, self.ids, sub)
+        return self.expand(self.compact(hidden))
 
 
 _cache: "weakref.WeakKeyDictionary[nn.Module, dict]" = weakref.WeakKeyDictionary()   # per LM-head module

@@ -234,10 +234,37 @@ class DFlashBackbone(nn.Module):
 
 
 # ---------------------------------------------------------------------------- inference wrapper
-@dataclass
 class DraftOutput:
-    hidden: torch.Tensor       # [D, h]: backbone output for depths 1..D
-    base_logits: torch.Tensor  # [D', V] float32 for depths 1..D' (D' <= D: `draft(depths=)`)
+    """A draft: backbone output `hidden` [D, h] for depths 1..D and base logits for depths 1..D'
+    (D' <= D: `draft(depths=)`), float32.
+
+    With a draft vocabulary (`vocab`, a DraftVocab) the logits are kept compact, [D', N] over its
+    token ids: `scores()` hands them to the builders that work on them, and `base_logits`, the
+    vocabulary-wide [D', V] view (-inf off the subset), is made only if something reads it."""
+
+    def __init__(self, hidden: torch.Tensor, base_logits: torch.Tensor | None = None,
+                 vocab=None, vocab_logits: torch.Tensor | None = None):
+        if (base_logits is None) == (vocab_logits is None) or (vocab is None) != (vocab_logits is None):
+            raise ValueError("a DraftOutput takes either base_logits or a vocab with its vocab_logits")
+        self.hidden, self.vocab, self._full, self._compact = hidden, vocab, base_logits, vocab_logits
+
+    @property
+    def base_logits(self) -> torch.Tensor:
+        """[D', V] float32 logits over the whole vocabulary (-inf off a draft vocabulary)."""
+        if self._full is None:
+            self._full = self.vocab.expand(self._compact)
+        return self._full
+
+    @base_logits.setter
+    def base_logits(self, value: torch.Tensor) -> None:
+        self._full, self._compact, self.vocab = value, None, None
+
+    def scores(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(logits [D', N], token ids [N]) over the draft vocabulary, or (base_logits, None) without
+        one: what a builder scans instead of the vocabulary-wide rows."""
+        if self._compact is None:
+            return self._full, None
+        return self._compact, self.vocab.ids
 
 
 class DFlashDrafter:
@@ -309,8 +336,10 @@ class DFlashDrafter:
     def draft(self, root: int, start: int, target, depths: int | None = None, vocab=None) -> DraftOutput:
         """The block's outputs; base logits for the first `depths` depths only (the LM head is
         half a draft's cost, and a tree of B nodes is never deeper than B), over the tokens of
-        `vocab` only if given (a DraftVocab: -inf elsewhere)."""
+        `vocab` only if given (a DraftVocab: kept compact, see DraftOutput)."""
         h = self.block_hidden(root, start, target)
         h = h if self.config.shift_label else h[1:]
         rows = (h if depths is None else h[:max(1, depths)]).to(target.dtype)
-        return DraftOutput(h, target.lm_head(rows).float() if vocab is None else vocab.logits(rows))
+        if vocab is None:
+            return DraftOutput(h, target.lm_head(rows).float())
+        return DraftOutput(h, vocab=vocab, vocab_logits=vocab.compact(rows))

@@ -60,17 +60,18 @@ def make_builder(cfg: SpecConfig, target, drafter):
             return dflash_chain(draft.base_logits, root, depth), {}
         if method == "domino":
             return domino_chain(drafter, draft, root, target, depth), {}
+        logits, ids = draft.scores()      # compact rows over a draft vocabulary (ids None: all tokens)
         if method in ("ddtree", "caddtree"):
-            lp = torch.log_softmax(draft.base_logits[:depth], -1)
+            lp = torch.log_softmax(logits[:depth], -1)
             if method == "ddtree":
-                return build_ddtree(lp, cfg.budget, root), {}
-            tree = build_caddtree(lp, cost, start, cfg.max_budget, root)
+                return build_ddtree(lp, cfg.budget, root, token_ids=ids), {}
+            tree = build_caddtree(lp, cost, start, cfg.max_budget, root, token_ids=ids)
             return tree, {"budget": len(tree) - 1}
         stop, budget = None, cfg.budget
         if method == "condadaptive":
             stop, budget = path_probability_stop(cost, start), cfg.max_budget
         extra = {"weights": weights} if tree_fn is build_dominotree_fast else {}
-        tree = tree_fn(draft.base_logits, draft.hidden, head32, embed_w, root, budget,
+        tree = tree_fn(logits, draft.hidden, head32, embed_w, root, budget, vocab_ids=ids,
                        node_topk=cfg.node_topk, corr_topm=cfg.corr_topm, normalization=cfg.normalization,
                        prefix_len=drafter.prefix_len, max_depth=depth, stop=stop,
                        conditioning=cfg.conditioning, **extra)

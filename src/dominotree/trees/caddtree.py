@@ -82,9 +82,10 @@ class CostModel:
 
 
 def build_caddtree(logprobs: torch.Tensor, cost_model: CostModel, context_len: int,
-                   max_budget: int = 64, root_token: int = 0) -> DraftTree:
-    """DDTree's pop order with the throughput stop rule."""
-    return build_ddtree(logprobs, max_budget, root_token, stop=path_probability_stop(cost_model, context_len))
+                   max_budget: int = 64, root_token: int = 0, token_ids: torch.Tensor | None = None) -> DraftTree:
+    """DDTree's pop order with the throughput stop rule (`token_ids`: as build_ddtree's)."""
+    return build_ddtree(logprobs, max_budget, root_token, stop=path_probability_stop(cost_model, context_len),
+                        token_ids=token_ids)
 
 
 def profile(target, drafter, max_nodes: int = 64, contexts=(128, 512, 1024), repeats: int = 3,

@@ -15,15 +15,19 @@ from .topk import topk_rows
 from .tree import DraftTree
 
 
-def ddtree_pops(logprobs: torch.Tensor, max_nodes: int) -> Iterator[tuple[int, int, float, int]]:
+def ddtree_pops(logprobs: torch.Tensor, max_nodes: int,
+                token_ids: torch.Tensor | None = None) -> Iterator[tuple[int, int, float, int]]:
     """Yield popped nodes in best-first order as (token, parent index, score, depth).
 
-    Node indices are 1-based in pop order (0 is the root). A generator, so adaptive rules can stop."""
+    Node indices are 1-based in pop order (0 is the root). A generator, so adaptive rules can stop.
+    `token_ids`: the token of each logprobs column (a draft vocabulary; None: column j is token j)."""
     depth_limit, vocab = logprobs.shape
     if depth_limit == 0 or max_nodes <= 0:
         return
     k = min(max_nodes, vocab)
     top_lp, top_ids = topk_rows(logprobs.float(), k)
+    if token_ids is not None:
+        top_ids = token_ids[top_ids]
     lp, ids = top_lp.tolist(), top_ids.tolist()
     heap = [(-lp[0][0], (0,), 0, 1, 0, lp[0][0])]   # (-score, rank path, parent, depth, rank, score)
     count = 0
@@ -40,12 +44,14 @@ def ddtree_pops(logprobs: torch.Tensor, max_nodes: int) -> Iterator[tuple[int, i
 
 
 def build_ddtree(logprobs: torch.Tensor, budget: int, root_token: int = 0,
-                 stop: Callable[[int, float], bool] | None = None) -> DraftTree:
-    """Top-`budget` prefixes of the factorised score. logprobs: [depth, vocab] (draft T = 1).
+                 stop: Callable[[int, float], bool] | None = None,
+                 token_ids: torch.Tensor | None = None) -> DraftTree:
+    """Top-`budget` prefixes of the factorised score. logprobs: [depth, vocab] (draft T = 1), or
+    [depth, N] over the tokens `token_ids` (a draft vocabulary).
 
     `stop(n_popped_so_far, score_of_candidate)` may end the build early (CaDDTree's rule)."""
     tokens, parents, depths, scores = [root_token], [-1], [0], [0.0]
-    for tok, parent, score, depth in ddtree_pops(logprobs, budget):
+    for tok, parent, score, depth in ddtree_pops(logprobs, budget, token_ids):
         if stop is not None and stop(len(tokens) - 1, score):
             break
         tokens.append(tok)

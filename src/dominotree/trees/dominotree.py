@@ -26,27 +26,43 @@ def _embedder(embed):
     return lambda ids: embed[ids].float()
 
 
-def depth_candidates(base_logits: torch.Tensor, corr_topm: int | None) -> torch.Tensor | None:
-    """Top-M base-logit candidates per depth [D, M] (None: the whole vocabulary)."""
+def depth_candidates(base_logits: torch.Tensor, corr_topm: int | None,
+                     vocab_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Top-M base-logit candidates per depth: (token ids [D, M], their base logits [D, M]), best
+    first (None: the whole vocabulary). `vocab_ids`: the token of each column (compact rows)."""
     if corr_topm is None or corr_topm >= base_logits.shape[-1]:
         return None
-    return topk_rows(base_logits, corr_topm)[1]
+    values, cols = topk_rows(base_logits, corr_topm)
+    return (cols if vocab_ids is None else vocab_ids[cols]), values
 
 
 def marginal_children(base_row: torch.Tensor, node_topk: int,
-                      cands_row: torch.Tensor | None = None) -> tuple[list[int], list[float]]:
+                      cands_row: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[list[int], list[float]]:
     """(tokens, log-probs) of the node_topk best children from base logits alone (prefix depths).
 
-    `cands_row`, the row's top-M ids in descending order (M >= node_topk), saves a second pass
-    over the vocabulary: the best children are its first node_topk."""
-    if cands_row is not None and len(cands_row) >= node_topk:
-        ids = cands_row[:node_topk]
-        return ids.tolist(), (base_row[ids] - torch.logsumexp(base_row, -1)).tolist()
+    `cands_row`, the row's top-M (ids, logits) in descending order (M >= node_topk), saves a
+    second pass over the row: the best children are its first node_topk. Without it the row's
+    columns are the token ids."""
+    if cands_row is not None and len(cands_row[0]) >= node_topk:
+        ids, logits = cands_row[0][:node_topk], cands_row[1][:node_topk]
+        return ids.tolist(), (logits - torch.logsumexp(base_row, -1)).tolist()
     values, ids = topk_rows(torch.log_softmax(base_row, -1), node_topk)
     return ids.tolist(), values.tolist()
 
 
-def greedy_chain_states(base_logits, hidden, head, emb, root_state, prefix_len, cands):
+def vocabulary_wide(base_logits: torch.Tensor, vocab_ids: torch.Tensor | None, vocab_size: int,
+                    corr_topm: int | None, normalization: str, conditioning: str):
+    """(base_logits, vocab_ids) as a builder needs them: compact rows over a draft vocabulary
+    suffice for the published setting (top-M candidates, "topm" normalisation, path
+    conditioning); the settings that score the whole vocabulary get [D, V] rows (-inf off it)."""
+    whole = corr_topm is None or corr_topm >= base_logits.shape[-1]
+    if vocab_ids is None or not (whole or normalization == "exact" or conditioning == "greedy"):
+        return base_logits, vocab_ids
+    full = torch.full((base_logits.shape[0], vocab_size), float("-inf"), device=base_logits.device)
+    return full.index_copy_(1, vocab_ids, base_logits), None
+
+
+def greedy_chain_states(base_logits, hidden, head, emb, root_state, prefix_len):
     """States along the greedy corrected chain: the "correction once per depth" ladder rung."""
     states, state = [], root_state
     for d in range(1, base_logits.shape[0] + 1):
@@ -62,8 +78,9 @@ def build_dominotree(base_logits: torch.Tensor, hidden: torch.Tensor, head, embe
                      budget: int, node_topk: int = 8, corr_topm: int | None = 64,
                      normalization: str = "topm", prefix_len: int = 1, max_depth: int | None = None,
                      stop: Callable[[int, float], bool] | None = None,
-                     conditioning: str = "path") -> DraftTree:
-    """Reference builder. base_logits [D, V], hidden [D, h] (depth d at row d - 1).
+                     conditioning: str = "path", vocab_ids: torch.Tensor | None = None) -> DraftTree:
+    """Reference builder. base_logits [D, V], or [D, N] over the token ids `vocab_ids` (a draft
+    vocabulary), hidden [D, h] (depth d at row d - 1).
 
     normalization: "topm" = log-softmax over the M corrected candidates (published);
     "exact" = over the whole corrected vocabulary. `stop(n, score)` ends the build before a
@@ -71,27 +88,29 @@ def build_dominotree(base_logits: torch.Tensor, hidden: torch.Tensor, head, embe
     if normalization not in ("topm", "exact"):
         raise ValueError(f"normalization must be 'topm' or 'exact', got {normalization!r}")
     base_logits, hidden = base_logits.float(), hidden.float()
+    base_logits, vocab_ids = vocabulary_wide(base_logits, vocab_ids, head.embed_proj[2].weight.shape[0],
+                                             corr_topm, normalization, conditioning)
     depth_limit = base_logits.shape[0] if max_depth is None else min(max_depth, base_logits.shape[0])
     emb = _embedder(embed)
-    cands = depth_candidates(base_logits, corr_topm)
+    cands = depth_candidates(base_logits, corr_topm, vocab_ids)
     root_state = head.gru_step(head.zero_state(1, dtype=torch.float32), emb(torch.tensor([root_token])))
     fixed = None
     if conditioning == "greedy":
-        fixed = greedy_chain_states(base_logits, hidden, head, emb, root_state, prefix_len, cands)
+        fixed = greedy_chain_states(base_logits, hidden, head, emb, root_state, prefix_len)
 
     def children(state, d):
         """(tokens, log-probs) of the node_topk best children at depth d for a parent state."""
         base = base_logits[d - 1]
         if d <= prefix_len:
-            return marginal_children(base, node_topk, None if cands is None else cands[d - 1])
+            return marginal_children(base, node_topk, None if cands is None else (cands[0][d - 1], cands[1][d - 1]))
         if fixed is not None:
             state = fixed[d - 1]
         if cands is None:
             lp = torch.log_softmax(base + head.correction(hidden[d - 1][None], state)[0].float(), -1)
             top = torch.topk(lp, min(node_topk, lp.numel()))
             return top.indices.tolist(), top.values.tolist()
-        c = cands[d - 1]
-        corrected = base[c] + head.correction(hidden[d - 1][None], state, c)[0].float()
+        c = cands[0][d - 1]
+        corrected = cands[1][d - 1] + head.correction(hidden[d - 1][None], state, c)[0].float()
         if normalization == "topm":
             lp = torch.log_softmax(corrected, -1)
         else:

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from ..drafters.domino import gru_cell
-from .dominotree import _embedder, depth_candidates, greedy_chain_states, marginal_children
+from .dominotree import _embedder, depth_candidates, greedy_chain_states, marginal_children, vocabulary_wide
 from .tree import DraftTree
 
 
@@ -89,27 +89,30 @@ def build_dominotree_fast(base_logits: torch.Tensor, hidden: torch.Tensor, head,
                           budget: int, node_topk: int = 8, corr_topm: int | None = 64,
                           normalization: str = "topm", prefix_len: int = 1, max_depth: int | None = None,
                           stop: Callable[[int, float], bool] | None = None, conditioning: str = "path",
-                          weights: HeadWeights | None = None, lookahead: int = 32) -> DraftTree:
+                          weights: HeadWeights | None = None, lookahead: int = 32,
+                          vocab_ids: torch.Tensor | None = None) -> DraftTree:
     base_logits, hidden = base_logits.float(), hidden.float()
-    D = base_logits.shape[0] if max_depth is None else min(max_depth, base_logits.shape[0])
     W = weights or HeadWeights(head)
+    base_logits, vocab_ids = vocabulary_wide(base_logits, vocab_ids, W.w2.shape[0], corr_topm, normalization, conditioning)
+    D = base_logits.shape[0] if max_depth is None else min(max_depth, base_logits.shape[0])
     emb = _embedder(embed)
     k = min(node_topk, base_logits.shape[-1] if corr_topm is None else min(corr_topm, base_logits.shape[-1]))
     r = W.w1_s.shape[0]
-    cands = depth_candidates(base_logits, corr_topm)
+    top = depth_candidates(base_logits, corr_topm, vocab_ids)
+    cands = None if top is None else top[0]
     # Hoisted per round: W1_h H_d, candidate base logits and W2 rows, prefix-depth children.
     zh = F.linear(hidden[:D], W.w1_h) if D else None
     if cands is not None:
         M = cands.shape[1]
-        base_c = torch.gather(base_logits, 1, cands)[:D]
+        base_c = top[1][:D]
         w2_c = W.w2[cands[:D].reshape(-1)]                    # [D * M, r]: every depth's candidate rows
-    prefix_kids = {d: marginal_children(base_logits[d - 1], node_topk, None if cands is None else cands[d - 1])
+    prefix_kids = {d: marginal_children(base_logits[d - 1], node_topk, None if top is None else (top[0][d - 1], top[1][d - 1]))
                    for d in range(1, min(prefix_len, D) + 1)}
     G = W.w_hh.shape[1]
     root_state = gru_from_halves(W.input_rows(embed, [root_token]), torch.zeros(1, 3 * G), torch.zeros(1, G))
     fixed = None
     if conditioning == "greedy":
-        fixed = torch.cat(greedy_chain_states(base_logits, hidden, head, emb, root_state, prefix_len, cands))
+        fixed = torch.cat(greedy_chain_states(base_logits, hidden, head, emb, root_state, prefix_len))
 
     def project(states: torch.Tensor):
         """(W1_s s, W_hh s) for new states: the first scores their children, the second is the GRU's
