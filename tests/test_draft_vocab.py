@@ -11,6 +11,7 @@ import dominotree as dt
 from conftest import VOCAB, random_drafter
 from dominotree.draft_vocab import DraftVocab, draft_vocab_for, token_ranking, top_token_ids
 from dominotree.drafters import DraftOutput
+from dominotree.trees.fast import GruInputs
 from dominotree.engine import GenerationStream
 from dominotree.packed import packing_available
 from dominotree.train.data import Sequence, write_shard
@@ -94,17 +95,22 @@ def test_generation_drafts_only_the_subset_and_stays_lossless(tiny_target, tmp_p
 def test_tree_builders_read_compact_rows_and_only_chains_widen_them(tiny_target, tmp_path, monkeypatch):
     """A draft over a draft vocabulary keeps its logits compact: DDTree and DominoTree build from
     them and never make the [D, V] rows; the DFlash chain reads those (the control) and gets the
-    compact scores widened with -inf off the subset."""
+    compact scores widened with -inf off the subset. DominoTree fills its GRU input table for the
+    subset before the first round."""
     source = shard_dir(tmp_path / "s", [list(range(1, VOCAB, 2)) * 3])
     widened, expand = [], DraftVocab.expand
     monkeypatch.setattr(DraftVocab, "expand", lambda self, c: widened.append(c.shape) or expand(self, c))
+    fills, fill = [], GruInputs.fill
+    monkeypatch.setattr(GruInputs, "fill", lambda self, tokens: fills.append(list(tokens)) or fill(self, tokens))
     kw = dict(max_new_tokens=12, budget=8, corr_topm=16, draft_vocab=48, draft_vocab_source=source)
+    domino = random_drafter(True, seed=5)
     for method in ("ddtree", "dominotree"):
-        dt.generate(tiny_target, random_drafter(method == "dominotree", seed=5), PROMPT, method=method, **kw)
+        dt.generate(tiny_target, domino, PROMPT, method=method, **kw)
     assert widened == []
     drafter = random_drafter(False, seed=5)
     dt.generate(tiny_target, drafter, PROMPT, method="dflash", **kw)
     assert widened
+    assert fills[0] == draft_vocab_for(tiny_target, 48, source).ids.tolist()   # GRU table warmed before round 1
 
 
 def test_a_draft_output_widens_its_compact_scores_when_read():

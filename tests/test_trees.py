@@ -236,6 +236,19 @@ def test_gru_input_table_rows_are_the_product_whatever_the_order_and_follow_the_
     assert torch.allclose(W.input_rows(e, [3, 7]), F.linear(e[[3, 7]], W.w_ih), atol=1e-5) and W.inputs is not table
 
 
+def test_warming_the_gru_table_fills_the_blocks_of_the_tokens_once():
+    g = torch.Generator().manual_seed(1)
+    W, e = HeadWeights(random_problem(0)[0]), torch.randn(100, 64, generator=g)
+    ids = torch.tensor([3, 40, 41, 99])
+    W.warm(e, ids)
+    assert W.inputs.ready == {0, 1, 3}
+    assert torch.equal(W.input_rows(e, [41, 3, 99]), GruInputs(e, W.w_ih).rows([41, 3, 99]))
+    calls = []
+    W.inputs.fill = lambda tokens: calls.append(tokens)
+    W.warm(e, ids)
+    assert calls == []                                     # the same token set: nothing to do
+
+
 def test_domino_drafter_keeps_one_tree_weights_until_its_head_changes():
     from conftest import random_drafter
     d = random_drafter(True)

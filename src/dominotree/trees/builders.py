@@ -53,6 +53,9 @@ def make_builder(cfg: SpecConfig, target, drafter):
         weights = drafter.tree_weights()
         embed_w = target.model.get_input_embeddings().weight
         tree_fn = build_dominotree_fast if cfg.builder == "fast" else build_dominotree
+        if cfg.draft_vocab and tree_fn is build_dominotree_fast:
+            from ..draft_vocab import draft_vocab_for
+            weights.warm(embed_w, draft_vocab_for(target, cfg.draft_vocab, cfg.draft_vocab_source).ids)
 
     def build(draft, root: int, start: int, max_depth: int):
         depth = min(cap, max_depth)

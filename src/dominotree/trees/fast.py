@@ -36,6 +36,7 @@ class GruInputs:
         self.embed, self.w_ih, self.block = embed, w_ih, block
         self.table = torch.empty(embed.shape[0], w_ih.shape[0])   # pages are committed as rows are written
         self.ready: set[int] = set()
+        self.warmed: set[tuple] = set()   # token sets HeadWeights.warm filled
         self.versions = (embed._version, w_ih._version)
 
     def matches(self, embed: torch.Tensor, w_ih: torch.Tensor) -> bool:
@@ -43,12 +44,16 @@ class GruInputs:
         return (embed is self.embed and w_ih.data_ptr() == self.w_ih.data_ptr()
                 and (embed._version, w_ih._version) == self.versions)
 
-    def rows(self, tokens: list[int]) -> torch.Tensor:
-        """[len(tokens), 3G]."""
-        for b in {t // self.block for t in tokens} - self.ready:
+    def fill(self, tokens: list[int]) -> None:
+        """Compute the blocks that hold `tokens` and are not computed yet."""
+        for b in sorted({t // self.block for t in tokens} - self.ready):
             lo, hi = b * self.block, min((b + 1) * self.block, self.embed.shape[0])
             self.table[lo:hi] = F.linear(self.embed[lo:hi].float(), self.w_ih)
             self.ready.add(b)
+
+    def rows(self, tokens: list[int]) -> torch.Tensor:
+        """[len(tokens), 3G]."""
+        self.fill(tokens)
         return self.table[tokens]
 
 
@@ -73,9 +78,21 @@ class HeadWeights:
         """W_ih e(t) for the tokens: from the kept table when `embed` is a weight matrix."""
         if not isinstance(embed, torch.Tensor):
             return F.linear(_embedder(embed)(torch.tensor(tokens)), self.w_ih)
+        return self._table(embed).rows(tokens)
+
+    def warm(self, embed: torch.Tensor, tokens: torch.Tensor) -> None:
+        """Fill the table for `tokens` (a draft vocabulary's ids: every token a tree can hold) now,
+        once, rather than a block at a time inside the rounds that first draft them."""
+        table = self._table(embed)
+        key = (tokens.data_ptr(), len(tokens))
+        if key not in table.warmed:
+            table.fill(tokens.tolist())
+            table.warmed.add(key)
+
+    def _table(self, embed: torch.Tensor) -> GruInputs:
         if self.inputs is None or not self.inputs.matches(embed, self.w_ih):
             self.inputs = GruInputs(embed, self.w_ih)
-        return self.inputs.rows(tokens)
+        return self.inputs
 
 
 def gru_from_halves(gi: torch.Tensor, gh: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
