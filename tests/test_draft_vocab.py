@@ -183,3 +183,18 @@ def test_profile_times_drafts_with_the_draft_vocabulary(tiny_target, tmp_path, m
     monkeypatch.setattr(drafter, "draft", spy)
     cm = profile(tiny_target, drafter, max_nodes=4, contexts=(8,), repeats=2, progress=False, vocab=vocab)
     assert cm.c_draft > 0 and seen and all(v is vocab for v in seen)
+
+
+def test_the_gru_table_made_in_a_round_can_be_warmed_outside_inference_mode(tiny_target):
+    """The benchmark's order: DominoTree over all tokens first (a round, in inference mode, makes
+    the drafter's GRU input table), then a request over a draft vocabulary, whose setup warms the
+    same table for blocks not computed yet, outside inference mode."""
+    drafter = random_drafter(True, seed=5)
+    weights, embed = drafter.tree_weights(), tiny_target.model.get_input_embeddings().weight
+    with torch.inference_mode():
+        first = weights.input_rows(embed, [1, 2]).clone()       # block 0 only
+    weights.warm(embed, torch.tensor([40, 70, 95]))              # blocks 1 and 2, outside the mode
+    expected = F.linear(embed.detach().float(), weights.w_ih)
+    assert torch.allclose(first, expected[[1, 2]])
+    assert torch.allclose(weights.input_rows(embed, [40, 95]), expected[[40, 95]])
+    assert not weights.inputs.table.requires_grad

@@ -6,8 +6,9 @@ read is memory-bound and costs about as much as the drafter's layers. Scoring on
 target writes most often (the frequency-ranked draft vocabulary of FR-Spec; EAGLE-3's `d2t` map is
 the same idea) reads N / V of it. The draft keeps those logits compact, [D, N]: the tree builders
 scan N columns instead of V (their top-k and normalisers), and whatever reads vocabulary-wide rows
-sees -inf on every other token, so no chain or tree drafts it. Verification is unchanged, so the output is the target's as with any draft (greedy:
-its tokens, up to the floating-point near-ties a different tree's verify batch can tip); a token
+sees -inf on every other token, so no chain or tree drafts it. Verification is unchanged, so the
+output is the target's as with any draft (greedy: its tokens, up to the floating-point near-ties a
+different tree's verify batch can tip); a token
 left out only costs acceptance where the target writes it, and the lookup branches still propose
 any token. The ranking comes from the target's own training responses
 (`train-data`, as the datastore branch's) or any directory of training shards.
@@ -48,6 +49,12 @@ def top_token_ids(ranking: np.ndarray, n: int, always=()) -> torch.Tensor:
     return torch.tensor(sorted(ids), dtype=torch.long)
 
 
+def widen(compact: torch.Tensor, ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[n, vocab_size] rows holding compact [n, N] scores at columns `ids`, -inf elsewhere."""
+    out = torch.full((compact.shape[0], vocab_size), float("-inf"), device=compact.device)
+    return out.index_copy_(1, ids, compact)
+
+
 class DraftVocab:
     """The LM-head rows of a token subset, packed like the target's own linears."""
 
@@ -72,8 +79,7 @@ class DraftVocab:
 
     def expand(self, compact: torch.Tensor) -> torch.Tensor:
         """Vocabulary-wide logits [n, V] from compact ones: the subset's scores, -inf elsewhere."""
-        out = torch.full((compact.shape[0], self.vocab_size), float("-inf"), device=compact.device)
-        return out.index_copy_(1, self.ids, compact)
+        return widen(compact, self.ids, self.vocab_size)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits [n, V] for hidden rows [n, h]: the subset's scores, -inf elsewhere."""

@@ -16,6 +16,7 @@ from typing import Callable
 
 import torch
 
+from ..draft_vocab import widen
 from .topk import topk_rows
 from .tree import DraftTree
 
@@ -58,8 +59,7 @@ def vocabulary_wide(base_logits: torch.Tensor, vocab_ids: torch.Tensor | None, v
     whole = corr_topm is None or corr_topm >= base_logits.shape[-1]
     if vocab_ids is None or not (whole or normalization == "exact" or conditioning == "greedy"):
         return base_logits, vocab_ids
-    full = torch.full((base_logits.shape[0], vocab_size), float("-inf"), device=base_logits.device)
-    return full.index_copy_(1, vocab_ids, base_logits), None
+    return widen(base_logits, vocab_ids, vocab_size), None
 
 
 def greedy_chain_states(base_logits, hidden, head, emb, root_state, prefix_len):

@@ -34,7 +34,10 @@ class GruInputs:
 
     def __init__(self, embed: torch.Tensor, w_ih: torch.Tensor, block: int = 32):
         self.embed, self.w_ih, self.block = embed, w_ih, block
-        self.table = torch.empty(embed.shape[0], w_ih.shape[0])   # pages are committed as rows are written
+        # a normal tensor, even when made inside a round's inference mode: HeadWeights.warm fills it
+        # from outside one (an inference tensor refuses in-place writes there)
+        with torch.inference_mode(False):
+            self.table = torch.empty(embed.shape[0], w_ih.shape[0])   # pages are committed as rows are written
         self.ready: set[int] = set()
         self.warmed: set[tuple] = set()   # token sets HeadWeights.warm filled
         self.versions = (embed._version, w_ih._version)
@@ -48,7 +51,8 @@ class GruInputs:
         """Compute the blocks that hold `tokens` and are not computed yet."""
         for b in sorted({t // self.block for t in tokens} - self.ready):
             lo, hi = b * self.block, min((b + 1) * self.block, self.embed.shape[0])
-            self.table[lo:hi] = F.linear(self.embed[lo:hi].float(), self.w_ih)
+            with torch.no_grad():
+                self.table[lo:hi] = F.linear(self.embed[lo:hi].float(), self.w_ih)
             self.ready.add(b)
 
     def rows(self, tokens: list[int]) -> torch.Tensor:
@@ -110,7 +114,8 @@ def build_dominotree_fast(base_logits: torch.Tensor, hidden: torch.Tensor, head,
                           vocab_ids: torch.Tensor | None = None) -> DraftTree:
     base_logits, hidden = base_logits.float(), hidden.float()
     W = weights or HeadWeights(head)
-    base_logits, vocab_ids = vocabulary_wide(base_logits, vocab_ids, W.w2.shape[0], corr_topm, normalization, conditioning)
+    base_logits, vocab_ids = vocabulary_wide(base_logits, vocab_ids, W.w2.shape[0], corr_topm, normalization,
+                                             conditioning)
     D = base_logits.shape[0] if max_depth is None else min(max_depth, base_logits.shape[0])
     emb = _embedder(embed)
     k = min(node_topk, base_logits.shape[-1] if corr_topm is None else min(corr_topm, base_logits.shape[-1]))
@@ -123,7 +128,8 @@ def build_dominotree_fast(base_logits: torch.Tensor, hidden: torch.Tensor, head,
         M = cands.shape[1]
         base_c = top[1][:D]
         w2_c = W.w2[cands[:D].reshape(-1)]                    # [D * M, r]: every depth's candidate rows
-    prefix_kids = {d: marginal_children(base_logits[d - 1], node_topk, None if top is None else (top[0][d - 1], top[1][d - 1]))
+    prefix_kids = {d: marginal_children(base_logits[d - 1], node_topk,
+                                        None if top is None else (top[0][d - 1], top[1][d - 1]))
                    for d in range(1, min(prefix_len, D) + 1)}
     G = W.w_hh.shape[1]
     root_state = gru_from_halves(W.input_rows(embed, [root_token]), torch.zeros(1, 3 * G), torch.zeros(1, G))
