@@ -8,10 +8,10 @@ the same idea) reads N / V of it. The draft keeps those logits compact, [D, N]: 
 scan N columns instead of V (their top-k and normalisers), and whatever reads vocabulary-wide rows
 sees -inf on every other token, so no chain or tree drafts it. Verification is unchanged, so the
 output is the target's as with any draft (greedy: its tokens, up to the floating-point near-ties a
-different tree's verify batch can tip); a token
-left out only costs acceptance where the target writes it, and the lookup branches still propose
-any token. The ranking comes from the target's own training responses
-(`train-data`, as the datastore branch's) or any directory of training shards.
+different tree's verify batch can tip); a token left out only costs acceptance where the target
+writes it, and the lookup branches still propose any token. The ranking comes from the target's
+own training responses (`train-data`, as the datastore branch's) or any directory of training
+shards.
 """
 from __future__ import annotations
 

@@ -51,7 +51,7 @@ class GruInputs:
         """Compute the blocks that hold `tokens` and are not computed yet."""
         for b in sorted({t // self.block for t in tokens} - self.ready):
             lo, hi = b * self.block, min((b + 1) * self.block, self.embed.shape[0])
-            with torch.no_grad():
+            with torch.no_grad():   # entered per computed block, not per rows() call (the hot path)
                 self.table[lo:hi] = F.linear(self.embed[lo:hi].float(), self.w_ih)
             self.ready.add(b)
 
