@@ -162,9 +162,10 @@ def test_method_specs_and_presets():
     assert "dominotree:lookup=8" in PRESETS["lookup"] and "dominotree" in PRESETS["lookup"]
     assert not parse_method("ar:pack=0").packed and parse_method("dominotree:pack=1,budget=8").packed
     assert parse_method("dominotree:pack=0,budget=8").options == {"budget": 8}
+    assert not parse_method("ar:gqa=0").gqa and parse_method("ar:gqa=0").packed and parse_method("ar").gqa
     for bad in ("nope", "dominotree:budgett=3", "dominotree:budget=0", "domino:drafter=dflash", "hf-ar:x=1",
                 "dominotree:conditioning=weird", "dominotree:budget", "dominotree:lookup=-2", "ar:budget=4",
-                "hf-ar:pack=0", "dominotree:pack=2"):
+                "hf-ar:pack=0", "dominotree:pack=2", "ar:gqa=yes", "hf-ar:gqa=0"):
         with pytest.raises(ValueError):
             parse_method(bad)
 
@@ -192,6 +193,26 @@ def test_pack_0_specs_run_on_the_plain_path(bench_env, tiny_llama_dir, tmp_path,
     assert seen.count(("DominoHead", False)) == n and all(not enabled for _, enabled in seen)
     from dominotree.packed import packing_available
     assert json.loads((out / "run.json").read_text())["packed"] == packing_available()
+
+
+def test_gqa_0_specs_run_on_transformers_sdpa(bench_env, tiny_llama_dir, tmp_path, monkeypatch):
+    import dominotree.bench.runner as runner
+    real, seen = runner.stock_attention, []
+
+    def spy(model):
+        seen.append(model.config._attn_implementation)
+        return real(model)
+    monkeypatch.setattr(runner, "stock_attention", spy)
+    out = tmp_path / "gqa"
+    rc = cli_main(["bench", "--model", str(tiny_llama_dir), "--prompts-file", str(bench_env / "prompts.jsonl"),
+                   "--domino-drafter", str(bench_env / "domino"), "--methods", "ar:gqa=0,dominotree,dominotree:gqa=0",
+                   "--out", str(out), "--max-new-tokens", "8", "--max-samples", "1", "--warmup", "0"])
+    assert rc == 0
+    recs = read_jsonl(out / "results.jsonl")
+    assert [r["method"] for r in recs[:4]] == ["ar", "ar:gqa=0", "dominotree", "dominotree:gqa=0"]
+    assert all(r["equality"]["match"] == "exact" for r in recs if r["method"] != "ar")
+    assert seen == ["dominotree_gqa"] * (len(recs) // 2)      # the gqa=0 runs, on a switched target
+    assert json.loads((out / "run.json").read_text())["gqa_attention"] is True
 
 
 def test_bad_flags_exit_2_without_a_traceback(capsys):

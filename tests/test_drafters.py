@@ -130,6 +130,25 @@ def test_block_attention_is_bidirectional(tiny_target):
     assert not torch.allclose(h1[0], h2[0])
 
 
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_gqa_draft_equals_the_repeated_heads_path(tiny_target, dtype):
+    """A draft (no mask) packs each group of query heads onto its key/value head; an all-True mask
+    takes the reference path, which repeats the key/value heads: the same outputs."""
+    d = random_drafter(False, layers=2).to(dtype=dtype)
+    assert d.config.num_attention_heads > d.config.num_key_value_heads
+    tiny_target.set_taps(d.target_layer_ids)
+    d.reset()
+    d.add_context(tiny_target.prefill(list(range(1, 14))).features, 0)
+    b = d.config.block_size
+    emb = tiny_target.embed(torch.tensor([7] + [d.config.mask_token_id] * (b - 1)))[None].to(dtype)
+    pos = torch.arange(13, 13 + b)[None]
+    with torch.inference_mode():
+        packed = d.backbone(emb, pos, d._ctx_kv)
+        repeated = d.backbone(emb, pos, d._ctx_kv, mask=torch.ones(1, 1, b, 13 + b, dtype=torch.bool))
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(packed.float(), repeated.float(), rtol=tol, atol=tol)
 @pytest.mark.parametrize("mutate, match", [
     (lambda p: (p / "model.safetensors").write_bytes(b"not a safetensors file"), "corrupt"),
     (lambda p: (p / "model.safetensors").unlink(), "no model.safetensors"),

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import inspect
 import logging
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
+from .gqa_attention import stock_attention, use_gqa_attention, uses_gqa_attention
 from .models import ModelNotFoundError, resolve_target
 from .packed import is_packed, pack_linears, packing
 from .trees.tree import DraftTree
@@ -51,10 +53,17 @@ class TargetModel:
         """Whether the linear layers run on pre-packed bf16 weights (see packed.py)."""
         return is_packed(self.model)
 
+    @property
+    def gqa_attention(self) -> bool:
+        """Whether attention runs on the packed grouped-query function (see gqa_attention.py)."""
+        return uses_gqa_attention(self.model)
+
+    @contextmanager
     def stock(self):
-        """Context manager: run the model's plain transformers path (no packed weights), e.g.
-        for the transformers peers of the benchmark."""
-        return packing(self.model, False)
+        """Context manager: run the model's plain transformers path (no packed weights, transformers'
+        own `sdpa` attention), e.g. for the transformers peers of the benchmark."""
+        with packing(self.model, False), stock_attention(self.model):
+            yield
 
     @property
     def vocab_size(self) -> int:
@@ -226,11 +235,13 @@ DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.floa
 
 
 def load_target(name_or_path: str = "smollm2-135m", dtype: str | torch.dtype | None = None,
-                device: str = "cpu", pack: bool = True) -> TargetModel:
+                device: str = "cpu", pack: bool = True, gqa: bool = True) -> TargetModel:
     """Load the embedded default (by name) or any local HF causal-LM directory, offline.
 
     `pack` re-blocks bf16 linear weights on CPU once for oneDNN (packed.py): the same logits,
-    faster steps; a no-op for other dtypes and devices. `pack=False` keeps the plain modules."""
+    faster steps; a no-op for other dtypes and devices. `pack=False` keeps the plain modules.
+    `gqa` runs a CPU model with grouped key/value heads on the packed GQA attention
+    (gqa_attention.py): the same logits, faster steps; `gqa=False` keeps transformers' `sdpa`."""
     path = resolve_target(name_or_path)
     if isinstance(dtype, str):
         dtype = DTYPES[dtype]
@@ -247,4 +258,6 @@ def load_target(name_or_path: str = "smollm2-135m", dtype: str | torch.dtype | N
     model = model.to(device)
     if pack:
         pack_linears(model)
+    if gqa:
+        use_gqa_attention(model)
     return TargetModel(model, tok, name=name_or_path if not Path(name_or_path).is_dir() else str(path))

@@ -2,7 +2,9 @@
 
 A spec's label is how it appears in every table; its options override the run-wide ones
 (`--budget`). `drafter=dflash|domino` picks the drafter, `pack=0` runs the method (`ar` too) on
-the plain linears instead of the pre-packed ones; the rest are SpecConfig fields."""
+the plain linears instead of the pre-packed ones and `gqa=0` on transformers' `sdpa` attention
+instead of the packed GQA one (interleaved A/Bs of those fast paths); the rest are SpecConfig
+fields."""
 from __future__ import annotations
 
 import time
@@ -17,6 +19,7 @@ ALL_METHODS = METHODS + HF_PEERS
 DOMINO_METHODS = ("domino", "dominotree", "condadaptive")      # default to the Domino drafter
 ADAPTIVE = ("caddtree", "condadaptive")                         # need a cost model
 RUN_WIDE = {"method", "temperature", "max_new_tokens", "seed", "stop", "raw"}   # set by the runner
+SWITCHES = ("pack", "gqa")          # on/off fast paths, the only options `ar` takes
 PRESETS = {
     "ladder": ["ddtree:drafter=domino", "dominotree:conditioning=greedy", "dominotree"],
     "topm": [f"dominotree:corr_topm={m}" for m in (8, 16, 32, 64)] + ["dominotree:corr_topm=full"],
@@ -34,6 +37,7 @@ class MethodSpec:
     options: dict = field(default_factory=dict)  # SpecConfig overrides
     drafter: str | None = None                   # "dflash" | "domino" | None (ar, peers)
     packed: bool = True                          # False: run on the plain linears (`pack=0`, see packed.py)
+    gqa: bool = True                             # False: transformers' sdpa (`gqa=0`, see gqa_attention.py)
 
     @property
     def is_peer(self) -> bool:
@@ -68,19 +72,19 @@ def parse_method(spec: str) -> MethodSpec:
     name, _, rest = spec.partition(":")
     if name not in ALL_METHODS:
         raise ValueError(f"unknown method {name!r} in {spec!r}; choose from {', '.join(ALL_METHODS)}")
-    options, drafter, packed = {}, None, True
+    options, drafter, switches = {}, None, dict.fromkeys(SWITCHES, True)
     allowed = {f.name for f in fields(SpecConfig)} - RUN_WIDE
     for item in filter(None, (s.strip() for s in rest.split(","))):
         key, eq, val = item.partition("=")
         key = key.strip()
         if not eq:
             raise ValueError(f"method option {item!r} in {spec!r} is not key=value")
-        if name in HF_PEERS or (name == "ar" and key != "pack"):
-            raise ValueError(f"method {name!r} takes no options{' but pack' if name == 'ar' else ''} (got {spec!r})")
-        if key == "pack":
+        if name in HF_PEERS or (name == "ar" and key not in SWITCHES):
+            raise ValueError(f"method {name!r} takes no options{' but pack, gqa' if name == 'ar' else ''} (got {spec!r})")
+        if key in SWITCHES:
             if val.strip().lower() not in ("0", "1", "false", "true"):
-                raise ValueError(f"pack must be 0 or 1 in {spec!r}")
-            packed = val.strip().lower() in ("1", "true")
+                raise ValueError(f"{key} must be 0 or 1 in {spec!r}")
+            switches[key] = val.strip().lower() in ("1", "true")
         elif key == "drafter":
             if val.strip() not in ("dflash", "domino"):
                 raise ValueError(f"drafter must be dflash or domino in {spec!r}")
@@ -88,7 +92,7 @@ def parse_method(spec: str) -> MethodSpec:
         elif key in allowed:
             options[key] = _value(key, val)
         else:
-            raise ValueError(f"unknown option {key!r} in {spec!r}; choose from drafter, pack, {', '.join(sorted(allowed))}")
+            raise ValueError(f"unknown option {key!r} in {spec!r}; choose from drafter, pack, gqa, {', '.join(sorted(allowed))}")
     if name != "ar" and name not in HF_PEERS:
         drafter = drafter or ("domino" if name in DOMINO_METHODS else "dflash")
         if name in DOMINO_METHODS and drafter != "domino":
@@ -97,7 +101,7 @@ def parse_method(spec: str) -> MethodSpec:
             SpecConfig(method=name, **options)
         except TypeError as e:
             raise ValueError(f"bad option value in {spec!r}: {e}") from e
-    return MethodSpec(spec, name, options, drafter, packed)
+    return MethodSpec(spec, name, options, drafter, switches["pack"], switches["gqa"])
 
 
 def expand_methods(methods: str | None, preset: str | None) -> list[MethodSpec]:

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 from ..machine import machine_info
+from ..gqa_attention import stock_attention
 from ..packed import packing
 from .datasets import DATASETS, DEFAULT_DATASETS, Prompt, load_dataset
 from .methods import ALL_METHODS, PRESETS, expand_methods, run_hf_peer
@@ -91,6 +92,7 @@ def main(args) -> int:
     out.mkdir(parents=True, exist_ok=True)
     cost_model = ensure_cost_model(args, target, drafters, specs, out)
     info = {"command": command_line(args), "model": args.model, "packed": target.packed,
+            "gqa_attention": target.gqa_attention,
             "cost_model": cost_model, "tie_tol": args.tie_tol, "reference": args.reference, "machine": machine_info(),
             **{f"{k}_drafter": names[k] for k in drafters}}
     (out / RUN_INFO).write_text(json.dumps(info, indent=1) + "\n")
@@ -210,6 +212,8 @@ def run_one(target, drafters, spec, prompt: Prompt, temperature: float, cost_mod
                 for module in (target.model, getattr(drafter, "backbone", None), getattr(drafter, "head", None)):
                     if module is not None:
                         stack.enter_context(packing(module, False))
+            if not spec.gqa:      # ... of the packed GQA attention
+                stack.enter_context(stock_attention(target.model))
             t0 = time.perf_counter()
             res = dt.generate(target, drafter, prompt.text, method=spec.method, max_new_tokens=n,
                               temperature=temperature, seed=args.seed, **opts)
