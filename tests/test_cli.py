@@ -27,20 +27,21 @@ def test_generate_json_matches_the_api(tiny_llama_dir, tiny_target, capsys):
     assert obj["token_ids"] == ref.token_ids and obj["text"] == ref.text
 
 
-def test_no_pack_flag_loads_plain_modules(tiny_llama_dir, capsys, monkeypatch):
+def test_no_pack_and_no_gqa_flags_load_the_plain_paths(tiny_llama_dir, capsys, monkeypatch):
     import dominotree as dt
     seen = []
     real = dt.load_target
     monkeypatch.setattr(dt, "load_target", lambda *a, **k: seen.append(real(*a, **k)) or seen[-1])
     outs = []
-    for extra in ([], ["--no-pack"]):
+    for extra in ([], ["--no-pack"], ["--no-gqa"]):
         code, out, _ = run_cli(capsys, "generate", "--model", str(tiny_llama_dir), "--dtype", "bf16", "--method", "ar",
                                "--max-new-tokens", "12", "--json", *extra, "hello world")
         assert code == 0
         outs.append(json.loads(out)["token_ids"])
     from dominotree.packed import packing_available
-    assert [t.packed for t in seen] == [packing_available(), False]
-    assert outs[0] == outs[1]
+    assert [t.packed for t in seen] == [packing_available(), False, packing_available()]
+    assert [t.gqa_attention for t in seen] == [True, True, False]
+    assert outs[0] == outs[1] == outs[2]
 
 
 def test_generate_with_a_lookup_branch(tiny_llama_dir, tiny_target, tmp_path, capsys):

@@ -45,6 +45,7 @@ def add_bench_parser(sub) -> None:
     b.add_argument("--model", default="smollm2-135m", help="named target or local HF model dir")
     b.add_argument("--dtype", default=None, choices=["bf16", "fp32", "fp16"], help="target dtype (default bf16)")
     b.add_argument("--no-pack", action="store_true", help="plain transformers linears for every method (no pre-packed bf16 weights)")
+    b.add_argument("--no-gqa", action="store_true", help="transformers' sdpa attention for every method (not the packed GQA one)")
     b.add_argument("--dflash-drafter", default=DEFAULT_DRAFTERS["dflash"], help="for dflash, ddtree, caddtree")
     b.add_argument("--domino-drafter", default=DEFAULT_DRAFTERS["domino"], help="for domino, dominotree, condadaptive")
     b.add_argument("--cost-model", default=None, help="cost model JSON for caddtree/condadaptive (default: "
@@ -83,7 +84,7 @@ def main(args) -> int:
     prompts = load_prompts(args)
 
     import dominotree as dt
-    target = dt.load_target(args.model, dtype=args.dtype, pack=not args.no_pack)
+    target = dt.load_target(args.model, dtype=args.dtype, pack=not args.no_pack, gqa=not args.no_gqa)
     if args.build_time:
         return build_time(args, target, prompts)
     names = {"dflash": args.dflash_drafter, "domino": args.domino_drafter}
