@@ -9,9 +9,9 @@ head, [B, H, n, D] -> [B, H_kv, groups * n, D] (the mask repeated alongside), an
 call on the cache as it is. Each query row meets the same keys; only the kernel's blocking of the
 rows changes, so the outputs equal `sdpa`'s up to rounding (on the embedded model a decoding step
 had 2 of 30 layers one bf16 step apart; greedy outputs then part from the stock path's only at
-near-ties, as the benchmark's equality check reports). Measured on the 2-core EPYC: plain
-decoding 1.09x faster in the benchmark, microbenchmarks 8-17% per step at 300-600 tokens of
-context, 4-9% per 9-token tree verify (docs/RESULTS.md, "Packed GQA attention").
+near-ties, as the benchmark's equality check reports). Measured on a 2-core EPYC, interleaved per
+prompt: plain decoding 1.05-1.06x faster, DominoTree 1.03-1.05x; a one-token step at 300-600 tokens
+of context 8-17% (docs/RESULTS.md, "Packed GQA attention").
 
 Prefill without a mask (SDPA's `is_causal` path), dropout, position biases, per-head masks and
 models without grouped heads go to transformers' own `sdpa` function unchanged.
