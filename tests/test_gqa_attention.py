@@ -128,3 +128,22 @@ def test_stock_switches_to_sdpa_and_restores(pairs, calls):
     with stock_attention(stock.model):         # a model never switched stays as it is
         assert stock.model.config._attn_implementation == "sdpa"
     assert not stock.gqa_attention
+
+
+def test_left_padded_batches_decode_like_single_sequences(pairs, calls):
+    """`train data` decodes left-padded batches under padding masks (prefill and steps): on the packed
+    attention every row equals that prompt decoded alone, and the stock path's rows."""
+    from dominotree.train.data import _generate_batch
+    stock, packed = pairs[torch.float32]
+    torch.manual_seed(3)
+    batch = [(torch.randint(4, 96, (n,)).tolist(), "p") for n in (5, 11, 8)]
+    rows = {}
+    for name, t in (("stock", stock), ("packed", packed)):
+        calls.clear()
+        rows[name] = [s.tokens.tolist() for s in _generate_batch(t, batch, 2, 12, False, 1.0, None)]
+    # the packed run packed the padded prefill (3 rows x 2 groups x 11 positions) and the steps
+    assert calls[0] == torch.Size([3, 2, 22, 16]) and calls[packed.num_layers] == torch.Size([3, 2, 2, 16])
+    assert rows["packed"] == rows["stock"]
+    for (ids, _), row in zip(batch, rows["packed"]):
+        alone = dt.generate(packed, None, ids, method="ar", max_new_tokens=12, temperature=0).token_ids
+        assert row[len(ids):] == alone
