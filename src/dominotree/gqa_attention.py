@@ -20,7 +20,6 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 
-import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward

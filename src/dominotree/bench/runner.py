@@ -13,8 +13,8 @@ import sys
 import time
 from pathlib import Path
 
-from ..machine import machine_info
 from ..gqa_attention import stock_attention
+from ..machine import machine_info
 from ..packed import packing
 from .datasets import DATASETS, DEFAULT_DATASETS, Prompt, load_dataset
 from .methods import ALL_METHODS, PRESETS, expand_methods, run_hf_peer
