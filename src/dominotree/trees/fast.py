@@ -194,9 +194,11 @@ def build_dominotree_fast(base_logits: torch.Tensor, hidden: torch.Tensor, head,
         neg, eid, tok, depth, parent = entry
         if stop is not None and stop(len(tokens) - 1, -neg):
             break
-        if eid not in cache:
-            room = budget - (len(tokens) - 1)
-            batch = [entry] + heapq.nsmallest(min(lookahead, room) - 1, heap) if room > 1 else [entry]
+        room = budget - (len(tokens) - 1)
+        if eid not in cache and room == 1:
+            cache[eid] = (None, None, None)   # the last node: nothing reads its state or children
+        elif eid not in cache:
+            batch = [entry] + heapq.nsmallest(min(lookahead, room) - 1, heap)
             batch = [e for e in batch if e[1] not in cache]
             par = [e[4] for e in batch]
             new_states = gru_from_halves(W.input_rows(embed, [e[2] for e in batch]),
