@@ -50,6 +50,12 @@ def test_load_target_switches_gqa_models_only(pairs, tiny_llama_dir, tmp_path):
     assert not use_gqa_attention(eager) and eager.config._attn_implementation == "eager"
 
 
+def test_without_the_transformers_extension_points_models_keep_sdpa(tiny_llama_dir, monkeypatch):
+    monkeypatch.setattr(gqa, "AVAILABLE", False)
+    t = dt.load_target(str(tiny_llama_dir), dtype=torch.float32)
+    assert not t.gqa_attention and t.model.config._attn_implementation == "sdpa"
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_prefill_step_and_tree_verify_give_stock_logits(pairs, dtype, calls):
     stock, packed = pairs[dtype]

@@ -21,9 +21,14 @@ from __future__ import annotations
 from contextlib import contextmanager
 
 import torch.nn.functional as F
-from transformers import AttentionInterface
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface, sdpa_mask
+
+try:
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface, sdpa_mask
+    AVAILABLE = True
+except ImportError:   # a transformers without these extension points: models keep their attention
+    AVAILABLE = False
 
 NAME = "dominotree_gqa"
 
@@ -47,16 +52,17 @@ def gqa_attention(module, query, key, value, attention_mask, dropout: float = 0.
     return out.reshape(B, H, n, D).transpose(1, 2).contiguous(), None
 
 
-AttentionInterface.register(NAME, gqa_attention)
-# masks are made exactly as for `sdpa` (a custom name without one would get no mask at all)
-AttentionMaskInterface.register(NAME, ALL_MASK_ATTENTION_FUNCTIONS.get("sdpa", sdpa_mask))
+if AVAILABLE:
+    AttentionInterface.register(NAME, gqa_attention)
+    # masks are made exactly as for `sdpa` (a custom name without one would get no mask at all)
+    AttentionMaskInterface.register(NAME, ALL_MASK_ATTENTION_FUNCTIONS.get("sdpa", sdpa_mask))
 
 
 def applies(model) -> bool:
     """A CPU model with grouped key/value heads that runs transformers' `sdpa` attention."""
     c = model.config
     heads, kv = getattr(c, "num_attention_heads", None), getattr(c, "num_key_value_heads", None)
-    return (getattr(c, "_attn_implementation", None) == "sdpa" and model.device.type == "cpu"
+    return (AVAILABLE and getattr(c, "_attn_implementation", None) == "sdpa" and model.device.type == "cpu"
             and bool(heads) and bool(kv) and kv < heads)
 
 
