@@ -15,11 +15,8 @@ DTYPES = [torch.float32, torch.bfloat16]
 @pytest.fixture(scope="module")
 def pairs(tiny_llama_dir):
     """(stock sdpa, packed GQA) targets of the tiny GQA Llama (4 query heads, 2 key/value heads)."""
-    return {dt: (dt_load(tiny_llama_dir, dt, False), dt_load(tiny_llama_dir, dt, True)) for dt in DTYPES}
-
-
-def dt_load(path, dtype, use):
-    return dt.load_target(str(path), dtype=dtype, pack=False, gqa=use)
+    return {dtype: tuple(dt.load_target(str(tiny_llama_dir), dtype=dtype, pack=False, gqa=use) for use in (False, True))
+            for dtype in DTYPES}
 
 
 @pytest.fixture

@@ -33,23 +33,29 @@ except ImportError:   # a transformers without these extension points: models ke
 NAME = "dominotree_gqa"
 
 
-def gqa_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
-                  is_causal=None, **kwargs):
-    """transformers attention-interface signature: query [B, H, n, D], key/value [B, H_kv, L, D];
-    returns ([B, n, H, D], None) like `sdpa_attention_forward`."""
-    groups = getattr(module, "num_key_value_groups", 1)
+def grouped_sdpa(query, key, value, mask=None, scale=None):
+    """SDPA of query [B, H, n, D] on key/value [B, H_kv, L, D], each group of H / H_kv query heads
+    folded into one query block of its key/value head; mask [b, 1, n, L] or None. -> [B, H, n, D]."""
     B, H, n, D = query.shape
-    mask = attention_mask
-    if (groups == 1 or dropout or kwargs.get("position_bias") is not None or kwargs.get("softcap") is not None
-            or (n > 1 and mask is None) or (mask is not None and mask.shape[1] != 1)):
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
-                                      scaling=scaling, is_causal=is_causal, **kwargs)
+    groups = H // key.shape[1]
     q = query.reshape(B, H // groups, groups * n, D)   # heads h = kv * groups + g: row g * n + i
     if mask is not None and n > 1:
         b, _, _, L = mask.shape
         mask = mask[:, :, None].expand(b, 1, groups, n, L).reshape(b, 1, groups * n, L)
-    out = F.scaled_dot_product_attention(q, key, value, attn_mask=mask, scale=scaling)
-    return out.reshape(B, H, n, D).transpose(1, 2).contiguous(), None
+    return F.scaled_dot_product_attention(q, key, value, attn_mask=mask, scale=scale).view(B, H, n, D)
+
+
+def gqa_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
+                  is_causal=None, **kwargs):
+    """transformers attention-interface signature: query [B, H, n, D], key/value [B, H_kv, L, D];
+    returns ([B, n, H, D], None) like `sdpa_attention_forward`."""
+    mask = attention_mask
+    if (getattr(module, "num_key_value_groups", 1) == 1 or dropout or kwargs.get("position_bias") is not None
+            or kwargs.get("softcap") is not None or (query.shape[2] > 1 and mask is None)
+            or (mask is not None and mask.shape[1] != 1)):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, is_causal=is_causal, **kwargs)
+    return grouped_sdpa(query, key, value, mask, scaling).transpose(1, 2).contiguous(), None
 
 
 if AVAILABLE:
@@ -91,4 +97,4 @@ def stock_attention(model):
             model.set_attn_implementation(NAME)
 
 
-__all__ = ["NAME", "gqa_attention", "use_gqa_attention", "uses_gqa_attention", "stock_attention"]
+__all__ = ["NAME", "grouped_sdpa", "gqa_attention", "use_gqa_attention", "uses_gqa_attention", "stock_attention"]

@@ -19,6 +19,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..gqa_attention import grouped_sdpa
+
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
     if num_draft_layers == 1:
@@ -167,11 +169,10 @@ class DraftAttention(nn.Module):
         k, v = self.kv(x, positions)
         k, v = torch.cat([ctx_k, k], 2), torch.cat([ctx_v, v], 2)
         rep = self.c.num_attention_heads // self.c.num_key_value_heads
-        H = q.shape[1]
         if rep > 1 and mask is None:
             # a draft: each group of query heads as one block of its key/value head, no K/V copies
-            # (gqa_attention.py; 4% faster drafts, the same outputs up to rounding)
-            out = F.scaled_dot_product_attention(q.reshape(B, H // rep, rep * T, -1), k, v).view(B, H, T, -1)
+            # (4% faster drafts, the same outputs up to rounding)
+            out = grouped_sdpa(q, k, v)
         else:
             if rep > 1:
                 k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)

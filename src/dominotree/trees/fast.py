@@ -195,9 +195,7 @@ def build_dominotree_fast(base_logits: torch.Tensor, hidden: torch.Tensor, head,
         if stop is not None and stop(len(tokens) - 1, -neg):
             break
         room = budget - (len(tokens) - 1)
-        if eid not in cache and room == 1:
-            cache[eid] = (None, None, None)   # the last node: nothing reads its state or children
-        elif eid not in cache:
+        if eid not in cache and room > 1:     # the budget's last node needs no state or children
             batch = [entry] + heapq.nsmallest(min(lookahead, room) - 1, heap)
             batch = [e for e in batch if e[1] not in cache]
             par = [e[4] for e in batch]
@@ -211,7 +209,7 @@ def build_dominotree_fast(base_logits: torch.Tensor, hidden: torch.Tensor, head,
                 hh = dict(zip(grow, hh_rows))
             for i, (e, s) in enumerate(zip(batch, new_states)):
                 cache[e[1]] = (s, hh.get(i), kids.get(i))
-        state, state_hh, kids = cache.pop(eid)
+        state, state_hh, kids = cache.pop(eid, (None, None, None))
         idx = len(tokens)
         tokens.append(tok)
         parents.append(parent)
