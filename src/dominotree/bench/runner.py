@@ -13,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+from ..drafters.lean import module_path
 from ..gqa_attention import stock_attention
 from ..machine import machine_info
 from ..packed import packing
@@ -94,6 +95,7 @@ def main(args) -> int:
     cost_model = ensure_cost_model(args, target, drafters, specs, out)
     info = {"command": command_line(args), "model": args.model, "packed": target.packed,
             "gqa_attention": target.gqa_attention,
+            "lean_drafters": sorted(k for k, d in drafters.items() if d.lean() is not None),
             "cost_model": cost_model, "tie_tol": args.tie_tol, "reference": args.reference, "machine": machine_info(),
             **{f"{k}_drafter": names[k] for k in drafters}}
     (out / RUN_INFO).write_text(json.dumps(info, indent=1) + "\n")
@@ -215,6 +217,8 @@ def run_one(target, drafters, spec, prompt: Prompt, temperature: float, cost_mod
                         stack.enter_context(packing(module, False))
             if not spec.gqa:      # ... of the packed GQA attention
                 stack.enter_context(stock_attention(target.model))
+            if not spec.lean:     # ... of the drafter's lean path
+                stack.enter_context(module_path(drafter))
             t0 = time.perf_counter()
             res = dt.generate(target, drafter, prompt.text, method=spec.method, max_new_tokens=n,
                               temperature=temperature, seed=args.seed, **opts)

@@ -20,6 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..gqa_attention import grouped_sdpa
+from ..packed import MAX_PACKED_ROWS
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -132,15 +133,27 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
-def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
-    """Rotary embedding (half-split layout, as HF Llama/Qwen). x: [B, H, T, D], positions: [B, T]."""
+def rope_cos_sin(positions: torch.Tensor, d: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary cos and sin for positions [..., T]: float32 [..., T, d] each (elementwise, so a row
+    is the same whether computed alone or in a table; drafters/lean.py keeps one)."""
+    inv = 1.0 / (theta ** (torch.arange(0, d, 2, device=positions.device, dtype=torch.float32) / d))
+    ang = positions.float()[..., None] * inv            # [..., T, d/2]
+    ang = torch.cat([ang, ang], -1)
+    return ang.cos(), ang.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [..., T, D] rotated by cos/sin broadcastable to it (half-split layout, as HF Llama/Qwen)."""
     d = x.shape[-1]
-    inv = 1.0 / (theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d))
-    ang = positions.float()[..., None] * inv            # [B, T, D/2]
-    cos, sin = torch.cat([ang, ang], -1).cos()[:, None], torch.cat([ang, ang], -1).sin()[:, None]
     x1, x2 = x[..., : d // 2], x[..., d // 2:]
     rotated = torch.cat([-x2, x1], -1)
     return (x.float() * cos + rotated.float() * sin).to(x.dtype)
+
+
+def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotary embedding. x: [B, H, T, D], positions: [B, T]."""
+    cos, sin = rope_cos_sin(positions, x.shape[-1], theta)
+    return apply_rope(x, cos[:, None], sin[:, None])
 
 
 class DraftAttention(nn.Module):
@@ -281,6 +294,8 @@ class DFlashDrafter:
         self.backbone = backbone.eval()
         self.config = backbone.config
         self.name = name
+        self.use_lean = True
+        self._lean_kept = None    # drafters/lean.LeanBackbone, made on first use, kept across requests
         self.reset()
 
     @property
@@ -317,8 +332,11 @@ class DFlashDrafter:
         if n == 0:
             return
         ctx = self.backbone.project_context(features[None].to(self.dtype))
-        pos = torch.arange(start, start + n, device=ctx.device)[None]
-        new = self.backbone.context_kv(ctx, pos)
+        lean = self.lean() if n <= MAX_PACKED_ROWS else None   # a prompt's rows take the plain kernels
+        if lean is not None:
+            new = lean.context_kv(ctx, start)
+        else:
+            new = self.backbone.context_kv(ctx, torch.arange(start, start + n, device=ctx.device)[None])
         self._last_ctx = ctx[:, -1:]
         if self._ctx_kv is None:
             self._ctx_kv = new
@@ -336,8 +354,20 @@ class DFlashDrafter:
         ids = torch.full((b,), self.config.mask_token_id, dtype=torch.long)
         ids[0] = root
         emb = target.embed(ids)[None].to(self.dtype)
+        lean = self.lean()
+        if lean is not None:
+            return lean.forward(emb, start, self._ctx_kv)[0]
         pos = torch.arange(start, start + b)[None]
         return self.backbone(emb, pos, self._ctx_kv, anchor_ctx=self._last_ctx)[0]
+
+    def lean(self):
+        """The CPU fast path (drafters/lean.py) while the backbone can take it, else None; `use_lean
+        = False` keeps the module path, the reference."""
+        if not self.use_lean:
+            return None
+        from .lean import lean_for
+        self._lean_kept = lean_for(self.backbone, self._lean_kept)
+        return self._lean_kept
 
     @torch.inference_mode()
     def draft(self, root: int, start: int, target, depths: int | None = None, vocab=None) -> DraftOutput:
