@@ -133,3 +133,15 @@ def test_bench_switch():
     assert parse_method("ddtree").lean is True
     with pytest.raises(ValueError, match="but pack, gqa"):
         parse_method("ar:lean=0")
+
+
+def test_copies_and_pickles_remake_the_lean_path(tiny_target):
+    import copy
+    import pickle
+    d = packed_drafter(domino=True)
+    a = dt.generate(tiny_target, d, [1, 5, 6, 9], method="dominotree", max_new_tokens=16, budget=6)
+    assert d.lean() is not None
+    for clone in (copy.deepcopy(d), pickle.loads(pickle.dumps(d))):
+        assert clone._lean_kept is None and clone.lean() is not None
+        b = dt.generate(tiny_target, clone, [1, 5, 6, 9], method="dominotree", max_new_tokens=16, budget=6)
+        assert a.token_ids == b.token_ids

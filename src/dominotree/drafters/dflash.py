@@ -298,6 +298,10 @@ class DFlashDrafter:
         self._lean_kept = None    # drafters/lean.LeanBackbone, made on first use, kept across requests
         self.reset()
 
+    def __getstate__(self):
+        # the lean path holds opaque oneDNN tensors (nothing to copy or pickle): a copy remakes it
+        return {**self.__dict__, "_lean_kept": None}
+
     @property
     def target_layer_ids(self) -> list[int]:
         return self.config.target_layer_ids
