@@ -87,6 +87,8 @@ def test_lean_path_only_where_it_is_exact(tiny_target):
     d.use_lean = False
     assert d.lean() is None
     d.use_lean = True
+    cast = packed_drafter().to(dtype=torch.float32)     # packed modules cast to fp32 run the plain path
+    assert cast.lean() is None
     fused = random_drafter(False, layers=1).to(dtype=torch.bfloat16)
     fused.config.anchor_fusion = True
     pack_linears(fused.backbone)

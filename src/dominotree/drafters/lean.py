@@ -49,7 +49,8 @@ def state_key(backbone: DFlashBackbone) -> tuple | None:
     c = backbone.config
     linears = _linears(backbone)
     if c.anchor_fusion or c.block_size > MAX_PACKED_ROWS or not linears or not all(
-            type(m) is PackedLinear and m.packed_enabled for m in linears):
+            type(m) is PackedLinear and m.packed_enabled and m.weight.dtype == torch.bfloat16
+            and m.weight.device.type == "cpu" for m in linears):
         return None
     return tuple(weight_key(p) for p in backbone.parameters())
 
