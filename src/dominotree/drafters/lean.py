@@ -1,11 +1,11 @@
 """The drafter's CPU inference path: fewer, larger calls on the same kernels, the same numbers.
 
 At the 16 rows of a draft block, most of a draft layer's time on CPU is per-call overhead: seven
-linear calls, two RMSNorms of eight small ops each, rotary angles recomputed per call, and the
+linear calls, four RMSNorms of eight small ops each, rotary angles recomputed per call, and the
 nn.Module calls around them. `LeanBackbone` keeps, per layer, one oneDNN-packed product for
 q/k/v (k/v alone for new context rows) and one for gate/up, and takes rotary cos/sin from a table.
 Every row and column is computed by the same packed bf16 kernel as in DFlashBackbone, so a
-draft's hidden states are bit-identical to the module path (tests/test_drafters.py); on the
+draft's hidden states are bit-identical to the module path (tests/test_lean.py); on the
 embedded drafter a round's draft and context update take ~0.9 ms less (docs/RESULTS.md).
 
 It serves only what it reproduces exactly: bf16 backbones whose linears are packed and enabled
