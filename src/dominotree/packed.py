@@ -39,6 +39,19 @@ def _packable(module: nn.Module) -> bool:
             and w.device.type == "cpu")
 
 
+BATCH_HINT = 16   # the rows oneDNN blocks a packed weight for
+
+
+def pack_weight(w: torch.Tensor, batch_hint: int = BATCH_HINT) -> torch.Tensor:
+    """w [out, in] re-blocked once for oneDNN's bf16 kernel (an opaque tensor)."""
+    return torch.ops.mkldnn._reorder_linear_weight(w.detach(), batch_hint)
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear on a weight made by pack_weight."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [None], "")
+
+
 def weight_key(w: torch.Tensor) -> tuple[int, int]:
     # inference tensors (made under torch.inference_mode) keep no version counter
     return w.data_ptr(), (-1 if w.is_inference() else w._version)
@@ -53,8 +66,7 @@ class PackedLinear(nn.Linear):
     packed_enabled: bool = True
 
     def _repack(self, batch_hint: int) -> None:
-        w = self.weight.detach()
-        self._packed = torch.ops.mkldnn._reorder_linear_weight(w, batch_hint)
+        self._packed = pack_weight(self.weight, batch_hint)
         self._packed_key = weight_key(self.weight)
         self._batch_hint = batch_hint
 
@@ -74,10 +86,10 @@ class PackedLinear(nn.Linear):
             return F.linear(x, self.weight, self.bias)
         if weight_key(self.weight) != self._packed_key:
             self._repack(self._batch_hint)   # the weight was replaced or changed in place
-        return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [None], "")
+        return packed_linear(x, self._packed, self.bias)
 
 
-def pack_linears(model: nn.Module, batch_hint: int = 16) -> int:
+def pack_linears(model: nn.Module, batch_hint: int = BATCH_HINT) -> int:
     """Re-class every CPU bf16 nn.Linear of `model` as a PackedLinear; returns how many.
 
     A no-op (0) where packing is unavailable or the model is not bf16 on CPU."""

@@ -20,24 +20,12 @@ import torch
 import torch.nn.functional as F
 
 from ..gqa_attention import grouped_sdpa
-from ..packed import MAX_PACKED_ROWS, PackedLinear, weight_key
-from .dflash import DFlashBackbone, apply_rope, rope_cos_sin
-
-
-def _linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [None], "")
+from ..packed import MAX_PACKED_ROWS, PackedLinear, pack_weight, packed_linear, weight_key
+from .dflash import DFlashBackbone, apply_rope, rms_norm, rope_cos_sin
 
 
 def _pack(*weights: torch.Tensor) -> torch.Tensor:
-    return torch.ops.mkldnn._reorder_linear_weight(torch.cat([w.detach() for w in weights]), 16)
-
-
-def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """dflash.RMSNorm's forward, op for op."""
-    dtype = x.dtype
-    x = x.float()
-    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x.to(dtype)
+    return pack_weight(torch.cat([w.detach() for w in weights]))
 
 
 def _linears(backbone: DFlashBackbone) -> list[torch.nn.Module]:
@@ -88,7 +76,7 @@ class LeanBackbone:
         n, hd = x.shape[1], self.config.head_dim
         h = x[..., lo * hd:(lo + count) * hd].view(1, n, count, hd)
         if norm is not None:
-            h = _rms(h, norm, self.config.rms_norm_eps)
+            h = rms_norm(h, norm, self.config.rms_norm_eps)
         return h.transpose(1, 2)
 
     def context_kv(self, ctx: torch.Tensor, start: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -97,7 +85,7 @@ class LeanBackbone:
         cos, sin = self._rotary(start, n)
         out = []
         for w in self.layers:
-            kv = _linear(ctx, w["kv"])
+            kv = packed_linear(ctx, w["kv"])
             k = apply_rope(self._heads(kv, 0, c.num_key_value_heads, w["k_norm"]), cos, sin)
             out.append((k, self._heads(kv, c.num_key_value_heads, c.num_key_value_heads, None)))
         return out
@@ -109,16 +97,16 @@ class LeanBackbone:
         cos, sin = self._rotary(start, b)
         x = block_emb
         for w, (ctx_k, ctx_v) in zip(self.layers, ctx_kv):
-            qkv = _linear(_rms(x, w["norm1"], eps), w["qkv"])
+            qkv = packed_linear(rms_norm(x, w["norm1"], eps), w["qkv"])
             q = apply_rope(self._heads(qkv, 0, H, w["q_norm"]), cos, sin)
             k = apply_rope(self._heads(qkv, H, Hkv, w["k_norm"]), cos, sin)
             v = self._heads(qkv, H + Hkv, Hkv, None)
             k, v = torch.cat([ctx_k, k], 2), torch.cat([ctx_v, v], 2)
             out = grouped_sdpa(q, k, v) if H > Hkv else F.scaled_dot_product_attention(q, k, v)
-            x = x + _linear(out.transpose(1, 2).reshape(1, b, -1), w["o"])
-            gate_up = _linear(_rms(x, w["norm2"], eps), w["gate_up"])
-            x = x + _linear(F.silu(gate_up[..., :inter]) * gate_up[..., inter:], w["down"])
-        return _rms(x, self.norm, eps)
+            x = x + packed_linear(out.transpose(1, 2).reshape(1, b, -1), w["o"])
+            gate_up = packed_linear(rms_norm(x, w["norm2"], eps), w["gate_up"])
+            x = x + packed_linear(F.silu(gate_up[..., :inter]) * gate_up[..., inter:], w["down"])
+        return rms_norm(x, self.norm, eps)
 
 
 def lean_for(backbone: DFlashBackbone, kept: LeanBackbone | None) -> LeanBackbone | None:
