@@ -70,3 +70,52 @@ def make_batch(seqs, block_size: int, num_anchors: int, num_depths: int, mask_to
 def depth_weights(num_depths: int, gamma: float) -> torch.Tensor:
     """exp(-(d - 1) / gamma) for depth d = 1..D (DFlash's per-offset decay)."""
     return torch.exp(-(torch.arange(1, num_depths + 1).float() - 1) / gamma)
+
+
+def sample_anchors(lens: torch.Tensor, prompt_lens: torch.Tensor, num_anchors: int,
+                   generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Up to num_anchors distinct response positions per row (a with prompt_len <= a < len - 1),
+    sorted, drawn uniformly: [B, N] positions and [B, N] validity (rows with fewer choices fill
+    the rest with invalid slots). Tensors stay on lens' device (make_batch's per-row draws, batched)."""
+    B, S = len(lens), int(lens.max())
+    pos = torch.arange(S, device=lens.device)
+    ok = (pos[None] >= prompt_lens[:, None]) & (pos[None] < lens[:, None] - 1)
+    score = torch.rand(B, S, generator=generator, device=lens.device)     # a generator on lens' device
+    score = torch.where(ok, score, torch.full_like(score, -1.0))
+    n = min(num_anchors, S)
+    top = score.topk(n, -1)
+    valid = top.values >= 0
+    anchors = torch.where(valid, top.indices, torch.full_like(top.indices, S))   # invalid slots sort last
+    anchors, order = anchors.sort(-1)
+    valid = valid.gather(1, order)
+    anchors = torch.where(valid, anchors, torch.zeros_like(anchors))
+    if n < num_anchors:
+        pad = torch.zeros(B, num_anchors - n, dtype=anchors.dtype, device=anchors.device)
+        anchors, valid = torch.cat([anchors, pad], 1), torch.cat([valid, pad.bool()], 1)
+    return anchors, valid
+
+
+def blocks_from_anchors(tokens: torch.Tensor, lens: torch.Tensor, feats: torch.Tensor, anchors: torch.Tensor,
+                        valid: torch.Tensor, block_size: int, num_depths: int, mask_token_id: int) -> BlockBatch:
+    """make_batch's blocks for given anchors, built with tensor ops on tokens' device:
+    tokens [B, S] (right-padded), lens [B], feats [B, S, k*h], anchors / valid [B, N]."""
+    B, S = tokens.shape
+    N, b, dev = anchors.shape[1], block_size, tokens.device
+    offsets = torch.arange(b, device=dev)
+    block_ids = torch.full((B, N, b), mask_token_id, dtype=torch.long, device=dev)
+    block_ids[:, :, 0] = torch.where(valid, tokens.gather(1, anchors), block_ids[:, :, 0])
+    block_pos = torch.where(valid[..., None], anchors[..., None] + offsets, torch.zeros((), dtype=torch.long, device=dev))
+    cols = torch.arange(S, device=dev)
+    ctx_ok = (cols.view(1, 1, 1, S) < anchors.view(B, N, 1, 1)) & valid.view(B, N, 1, 1)      # [B, N, 1, S]
+    own = torch.eye(N, dtype=torch.bool, device=dev).view(1, N, 1, N, 1)                       # block n sees block n
+    mask = torch.cat([ctx_ok.expand(B, N, b, S).reshape(B, N * b, S),
+                      own.expand(1, N, b, N, b).reshape(1, N * b, N * b).expand(B, -1, -1)], -1)[:, None]
+    depth = torch.arange(1, num_depths + 1, device=dev)
+    at = anchors[..., None] + depth                                                          # [B, N, D]
+    labels = tokens.gather(1, at.clamp_max(S - 1).view(B, -1)).view(B, N, num_depths)
+    labels = torch.where((at < lens.view(B, 1, 1)) & valid[..., None], labels, torch.full_like(labels, -100))
+    tat = anchors[..., None] + offsets
+    truth = tokens.gather(1, tat.clamp_max(S - 1).view(B, -1)).view(B, N, b)
+    truth = torch.where((tat < lens.view(B, 1, 1)) & valid[..., None], truth, torch.zeros_like(truth))
+    ctx_pos = torch.arange(S, device=dev).expand(B, S)
+    return BlockBatch(feats, ctx_pos, block_ids.view(B, N * b), block_pos.view(B, N * b), mask, labels, truth)
