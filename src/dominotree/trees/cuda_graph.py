@@ -4,7 +4,8 @@ Per round the shared tensors (top-M candidates, their base logits and W2 rows, W
 written into static buffers; per pop the graph runs the popped node's GRU step and scores its
 children (one replay, one small device-to-host copy). The pop order, tokens and parents are
 those of trees/dominotree.build_dominotree; `scripts/check_cuda_builder.py` checks that on a GPU
-and times both."""
+and times both, and tests/test_cuda_graph.py runs the same per-pop step eagerly on the CPU
+(device="cpu": no graph) as well as captured on a GPU."""
 from __future__ import annotations
 
 import heapq
@@ -20,10 +21,10 @@ from .tree import DraftTree
 class CudaGraphDominoBuilder:
     def __init__(self, head, embed_weight: torch.Tensor, node_topk: int = 8, corr_topm: int = 64,
                  max_depth: int = 16, max_nodes: int = 256, device: str = "cuda"):
-        if not torch.cuda.is_available():
+        dev = torch.device(device)
+        if dev.type == "cuda" and not torch.cuda.is_available():
             raise RuntimeError("CudaGraphDominoBuilder needs a CUDA device")
         w = HeadWeights(head)
-        dev = torch.device(device)
         self.w_ih, self.w_hh = w.w_ih.to(dev), w.w_hh.to(dev)
         self.w1_h, self.w1_s, self.w2 = w.w1_h.to(dev), w.w1_s.to(dev), w.w2.to(dev)
         self.embed = embed_weight.detach().float().to(dev)
@@ -33,12 +34,13 @@ class CudaGraphDominoBuilder:
         # per-round buffers
         self.cands, self.base_c = z(max_depth, corr_topm, dt=torch.long), z(max_depth, corr_topm)
         self.w2_c, self.zh = z(max_depth, corr_topm, r), z(max_depth, r)
-        # per-pop inputs and outputs
-        self.states = z(max_nodes + 1, G)
+        # per-pop inputs and outputs; the last state row is scratch for the warm-up steps
+        self.states = z(max_nodes + 2, G)
+        self.scratch = max_nodes + 1
         self.parent, self.slot = z(1, dt=torch.long), z(1, dt=torch.long)
         self.tok, self.depth = z(1, dt=torch.long), z(1, dt=torch.long)
         self.out = z(2, node_topk)   # row 0: token ids (as float), row 1: log-probs
-        self.graph = None
+        self.graph, self.ready = None, False
 
     def _step(self):
         s_par = self.states.index_select(0, self.parent)
@@ -52,7 +54,16 @@ class CudaGraphDominoBuilder:
         ids = torch.gather(self.cands.index_select(0, self.depth), 1, top.indices)
         self.out.copy_(torch.cat([ids.float(), top.values], 0))
 
-    def _capture(self):
+    def _prepare(self):
+        """Warm-up steps (they run for real, so they write the scratch row, not a node's state),
+        then the capture on a GPU. Runs before a build writes its root state."""
+        self.parent.fill_(self.scratch)
+        self.slot.fill_(self.scratch)
+        self.ready = True
+        if self.dev.type != "cuda":
+            for _ in range(2):
+                self._step()     # the same warm-up, so the CPU test covers what it writes
+            return
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
@@ -66,6 +77,8 @@ class CudaGraphDominoBuilder:
     @torch.inference_mode()
     def build(self, base_logits, hidden, root_token: int, budget: int, prefix_len: int = 1,
               max_depth: int | None = None) -> DraftTree:
+        if not self.ready:
+            self._prepare()
         base_logits, hidden = base_logits.to(self.dev).float(), hidden.to(self.dev).float()
         D = min(base_logits.shape[0], self.D if max_depth is None else max_depth)
         cands = torch.topk(base_logits[:D], self.M, dim=-1).indices
@@ -80,8 +93,6 @@ class CudaGraphDominoBuilder:
         # root state = one GRU step from zero over the root token (slot 0)
         zero = torch.zeros(1, self.w_hh.shape[1], device=self.dev)
         self.states[0] = gru_cell(zero, self.embed[root_token][None], self.w_ih, self.w_hh)[0]
-        if self.graph is None:
-            self._capture()
 
         def children_of(node_slot, parent_slot, token, child_depth):
             """Replay: state of `node_slot` from its parent, then its children at child_depth."""
@@ -89,7 +100,7 @@ class CudaGraphDominoBuilder:
             self.slot.fill_(node_slot)
             self.tok.fill_(token)
             self.depth.fill_(max(child_depth - 1, 0))
-            self.graph.replay()
+            self.graph.replay() if self.graph is not None else self._step()
             if child_depth <= prefix_len:
                 return prefix[child_depth]
             out = self.out.tolist()
