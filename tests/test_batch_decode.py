@@ -71,3 +71,20 @@ def test_rejects_empty_prompt_and_other_architectures():
     model.config.model_type = "qwen3"
     with pytest.raises(ValueError, match="Llama"):
         BatchDecoder(model)
+
+
+@pytest.mark.parametrize("compact_every", [1, 3, 10_000])
+def test_finished_rows_leave_the_batch_without_changing_the_others(tiny_llama_dir, compact_every):
+    from collections import Counter
+    from conftest import EOS, VOCAB
+    model = LlamaForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(5, VOCAB, (int(n),), generator=g).tolist() for n in torch.randint(1, 9, (24,), generator=g)]
+    free = [hf_greedy(model, p, 30, set()) for p in prompts]
+    common = Counter(t for f in free for t in f[5:]).most_common(1)[0][0]
+    eos = {EOS, common}                               # rows stop at different steps
+    want = [hf_greedy(model, p, 30, eos) for p in prompts]
+    lengths = sorted(len(w) for w in want)
+    assert lengths[len(lengths) // 4] < lengths[-1]     # a quarter stop early: rows leave the batch
+    got = BatchDecoder(model).generate(prompts, 30, eos, compact_every=compact_every)
+    assert got == want

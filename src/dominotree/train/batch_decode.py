@@ -76,8 +76,11 @@ class BatchDecoder:
 
     @torch.inference_mode()
     def generate(self, prompts: list[list[int]], max_new_tokens: int, eos_ids, temperature: float = 0.0,
-                 generator: torch.Generator | None = None, pad_id: int = 0) -> list[list[int]]:
-        """Each prompt's response (eos included when reached), greedy at temperature 0, else sampled."""
+                 generator: torch.Generator | None = None, pad_id: int = 0,
+                 compact_every: int = 16) -> list[list[int]]:
+        """Each prompt's response (eos included when reached), greedy at temperature 0, else sampled.
+        Every `compact_every` steps, once a quarter of the rows still in the batch have finished,
+        they leave it (their cache rows too): a batch no longer runs at full width for its longest answer."""
         if not prompts or min(len(p) for p in prompts) == 0:
             raise ValueError("generate needs non-empty prompts")
         dev, dt = self.embed.device, self.embed.dtype
@@ -98,20 +101,25 @@ class BatchDecoder:
         prefill_ok = (valid[:, None, :W] & causal[None]) | torch.eye(W, dtype=torch.bool, device=dev)[None]
         pos = (cols[None, :W] - pad[:, None]).clamp_min(0)
         logits = self._forward(ids, pos, cache, 0, prefill_ok)
-        eos = torch.tensor(sorted(eos_ids), device=dev)
+        eos = torch.tensor(sorted(eos_ids), dtype=torch.long, device=dev)
         out = torch.full((B, max_new_tokens), -1, dtype=torch.long, device=dev)
         done = torch.zeros(B, dtype=torch.bool, device=dev)
         next_pos = W - pad
+        rows = torch.arange(B, device=dev)          # the original row of each row still in the batch
         for step in range(max_new_tokens):
             if temperature > 0:
                 probs = torch.softmax(logits.float() / temperature, -1)
                 nxt = torch.multinomial(probs, 1, generator=generator)[:, 0]
             else:
                 nxt = logits.argmax(-1)
-            out[:, step] = torch.where(done, -1, nxt)
+            out[rows, step] = torch.where(done, -1, nxt)
             done = done | torch.isin(nxt, eos)
             if step + 1 == max_new_tokens or bool(done.all()):
                 break
+            if (step + 1) % compact_every == 0 and 4 * int(done.sum()) >= len(done):
+                keep = (~done).nonzero()[:, 0]
+                cache = [(kc[keep], vc[keep]) for kc, vc in cache]
+                rows, valid, next_pos, nxt, done = rows[keep], valid[keep], next_pos[keep], nxt[keep], done[keep]
             col = W + step
             key_ok = valid[:, None, :col + 1]
             logits = self._forward(nxt[:, None], next_pos[:, None], cache, col, key_ok)
