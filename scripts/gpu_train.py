@@ -179,7 +179,8 @@ def main():
             new = generate(model, prompts, plan, args, time.time() + args.gen_seconds)
         except Exception as e:          # training on the committed data alone is still worth the sitting
             print(json.dumps({"generation_failed": repr(e)}), flush=True)
-        torch.cuda.empty_cache() if device.type == "cuda" else None
+        if device.type == "cuda":
+            torch.cuda.empty_cache()     # the decoder's KV buffers go back before training allocates
     kept = save_data(new, args.out, args.data_files, args.data_file_bytes) if new else 0
     old = [(s.tokens, s.prompt_len) for s in read_shards(args.old_data)] if args.old_data else []
     seqs = [(t, p) for t, p in old + [(s[0], s[1]) for s in new] if len(t) - p >= 2 and p < 766]
