@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..drafters.dflash import apply_rope, rms_norm, rope_cos_sin
+
 
 class BatchDecoder:
     def __init__(self, model):
@@ -23,12 +25,10 @@ class BatchDecoder:
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.heads
         self.eps = cfg.rms_norm_eps
         rope = getattr(cfg, "rope_parameters", None) or {}
-        theta = float(rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0)))
+        self.theta = float(rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0)))
         if rope.get("rope_type", "default") != "default":
             raise ValueError(f"BatchDecoder implements default rotary embeddings, not {rope['rope_type']!r}")
         w = model.model
-        dev = w.embed_tokens.weight.device
-        self.inv_freq = 1.0 / theta ** (torch.arange(0, self.head_dim, 2, device=dev).float() / self.head_dim)
         self.layers = []
         for layer in w.layers:
             a, m = layer.self_attn, layer.mlp
@@ -40,39 +40,28 @@ class BatchDecoder:
         self.norm = w.norm.weight
         self.lm_head = model.get_output_embeddings().weight
 
-    def _rms(self, x, w):
-        xf = x.float()
-        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * w
-
-    def _rope(self, x, cos, sin):
-        half = x.shape[-1] // 2
-        rot = torch.cat([-x[..., half:], x[..., :half]], -1)
-        return (x.float() * cos + rot.float() * sin).to(x.dtype)
-
     def _forward(self, ids, pos, cache, col, key_ok):
         """ids, pos: [B, T], written at cache columns col..col+T-1; key_ok: [B, T, col+T] bool.
         The G query heads that share a KV head attend as G*T rows of that head (no K/V copies)."""
         B, T = ids.shape
         H, KV, d = self.heads, self.kv_heads, self.head_dim
         G = H // KV
-        freqs = pos[..., None].float() * self.inv_freq
-        emb = torch.cat([freqs, freqs], -1)[:, :, None]        # [B, T, 1, d]
-        cos, sin = emb.cos(), emb.sin()
+        cos, sin = (t[:, :, None] for t in rope_cos_sin(pos, d, self.theta))    # [B, T, 1, d]
         mask = key_ok[:, None].repeat(1, 1, G, 1) if T > 1 else key_ok[:, None]   # [B, 1, G*T or 1, K]
         x = self.embed[ids]
         for L, (kc, vc) in zip(self.layers, cache):
-            h = self._rms(x, L["ln1"])
+            h = rms_norm(x, L["ln1"], self.eps)
             q, k, v = F.linear(h, L["qkv"]).split([H * d, KV * d, KV * d], -1)
-            q = self._rope(q.view(B, T, H, d), cos, sin)
-            kc[:, :, col:col + T] = self._rope(k.view(B, T, KV, d), cos, sin).transpose(1, 2)
+            q = apply_rope(q.view(B, T, H, d), cos, sin)
+            kc[:, :, col:col + T] = apply_rope(k.view(B, T, KV, d), cos, sin).transpose(1, 2)
             vc[:, :, col:col + T] = v.view(B, T, KV, d).transpose(1, 2)
             q = q.view(B, T, KV, G, d).permute(0, 2, 3, 1, 4).reshape(B, KV, G * T, d)
             att = F.scaled_dot_product_attention(q, kc[:, :, :col + T], vc[:, :, :col + T], attn_mask=mask)
             att = att.view(B, KV, G, T, d).permute(0, 3, 1, 2, 4).reshape(B, T, H * d)
             x = x + F.linear(att, L["o"])
-            g, u = F.linear(self._rms(x, L["ln2"]), L["gate_up"]).chunk(2, -1)
+            g, u = F.linear(rms_norm(x, L["ln2"], self.eps), L["gate_up"]).chunk(2, -1)
             x = x + F.linear(F.silu(g) * u, L["down"])
-        return F.linear(self._rms(x[:, -1], self.norm), self.lm_head)
+        return F.linear(rms_norm(x[:, -1], self.norm, self.eps), self.lm_head)
 
     @torch.inference_mode()
     def generate(self, prompts: list[list[int]], max_new_tokens: int, eos_ids, temperature: float = 0.0,

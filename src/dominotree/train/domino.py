@@ -31,19 +31,24 @@ def domino_loss(drafter, hid, batch, embed_w, head_w, vocab_ids, weights, cfg, l
     if not tc.head:
         return loss_base, metrics
     head = drafter.head
-    B, N, D, h = hid.shape
     prefix = cfg.pure_draft_prefix_len
     if tc.ttt:
         final = ttt_logits(head, hid, base, batch, embed_w, vocab_ids, prefix)
     else:
-        truth = batch.truth[:, :, :D].reshape(B * N, D)          # anchor, then true depths 1..D-1
-        states = head.teacher_forced_states(embed_w[truth].float()).view(B, N, D, -1)
-        corr = head.correction(hid, states.to(hid.dtype), vocab_ids)
-        keep = (torch.arange(1, D + 1) > prefix).view(1, 1, D, 1)
-        final = base + corr * keep
+        final = teacher_forced_logits(head, hid, base, batch.truth, embed_w, prefix, vocab_ids)
     loss_final, hits_final = label_loss(final, batch, weights, tc)
     metrics.update(loss_final=float(loss_final.detach()), accept_len_final=accept_len(hits_final))
     return lam * loss_base + (1 - lam) * loss_final, metrics
+
+
+def teacher_forced_logits(head, hid, base, truth, embed_w, prefix, vocab_ids=None):
+    """The head's final logits [B, N, D, V'] with its GRU teacher-forced on the ground truth
+    (truth [B, N, b]: anchor, then the true depths): base plus the correction past the prefix."""
+    B, N, D, _ = hid.shape
+    states = head.teacher_forced_states(embed_w[truth[:, :, :D].reshape(B * N, D)].float()).view(B, N, D, -1)
+    corr = head.correction(hid, states.to(hid.dtype), vocab_ids)
+    keep = (torch.arange(1, D + 1, device=hid.device) > prefix).view(1, 1, D, 1)
+    return base + corr * keep
 
 
 def ttt_logits(head, hid, base, batch, embed_w, vocab_ids, prefix):

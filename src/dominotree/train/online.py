@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from ..drafters import build_drafter, load_checkpoint, save_checkpoint
 from .blocks import blocks_from_anchors, depth_weights, sample_anchors
 from .dflash import accept_len, block_hidden, weighted_ce
+from .domino import teacher_forced_logits
 
 
 @dataclass
@@ -100,13 +101,8 @@ class OnlineTrainer:
             hid = block_hidden(self.drafter.backbone, batch, self.embed_w, self.cfg)      # [B, N, D, h]
             base = F.linear(hid, self.head_w)
             loss_base, hits_base = weighted_ce(base, batch.labels, self.w_base)
-            B, N, D, _ = hid.shape
-            head = self.drafter.head
-            truth = batch.truth[:, :, :D].reshape(B * N, D)
-            states = head.teacher_forced_states(self.embed_w[truth].float()).view(B, N, D, -1)
-            corr = head.correction(hid.detach(), states.to(hid.dtype))
-            keep = (torch.arange(1, D + 1, device=self.dev) > self.cfg.pure_draft_prefix_len).view(1, 1, D, 1)
-            final = base.detach() + corr * keep
+            final = teacher_forced_logits(self.drafter.head, hid.detach(), base.detach(), batch.truth,
+                                          self.embed_w, self.cfg.pure_draft_prefix_len)
             loss_final, hits_final = weighted_ce(final, batch.labels, self.w_final)
         return loss_base, loss_final, accept_len(hits_base), accept_len(hits_final)
 
