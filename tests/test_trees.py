@@ -249,6 +249,28 @@ def test_warming_the_gru_table_fills_the_blocks_of_the_tokens_once():
     assert calls == []                                     # the same token set: nothing to do
 
 
+def test_fast_builder_keeps_root_rows_across_rounds_and_drops_them_with_the_embedding():
+    """One HeadWeights across rounds (as a drafter keeps it): the root rows it caches give the
+    reference's trees for every root, repeated roots included, and a changed embedding is not
+    served the old rows."""
+    head, base, hidden, embed = random_problem(4, V=64, D=6)
+    W = HeadWeights(head)
+    kw = dict(budget=12, node_topk=3, corr_topm=16)
+    with torch.no_grad():
+        for root in [5, 9, 5, 63, 9, 0]:
+            ref = build_dominotree(base, hidden, head, embed, root, **kw)
+            fast = build_dominotree_fast(base, hidden, head, embed, root, weights=W, **kw)
+            assert torch.equal(ref.tokens, fast.tokens) and torch.equal(ref.parents, fast.parents), root
+        assert set(W.inputs.roots) == {0, 5, 9, 63}
+        old = W.inputs.roots[5]
+        embed.mul_(-1.5)                                   # in place: the table and the roots are stale
+        ref = build_dominotree(base, hidden, head, embed, 5, **kw)
+        fast = build_dominotree_fast(base, hidden, head, embed, 5, weights=W, **kw)
+    assert torch.equal(ref.tokens, fast.tokens) and torch.equal(ref.parents, fast.parents)
+    assert torch.allclose(ref.scores, fast.scores, atol=1e-5)
+    assert not torch.equal(W.inputs.roots[5], old)
+
+
 def test_domino_drafter_keeps_one_tree_weights_until_its_head_changes():
     from conftest import random_drafter
     d = random_drafter(True)

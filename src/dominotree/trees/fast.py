@@ -8,7 +8,10 @@ their base logits and W2 rows, and W1's hidden-state half applied to H_d. Per no
 product with the new state, [W1_s; W_hh] s: the first half scores the node's children, the second
 is the GRU's state half for every child of it (shared by all siblings); the GRU's input half,
 W_ih e(t), is a row of a table kept across rounds (`GruInputs`). So a batch of expansions costs two
-small matrix products instead of four, the largest of them (W_ih, 3G x h) gone.
+small matrix products instead of four, the largest of them (W_ih, 3G x h) gone. A node is kept
+as one row [W1_s s | W_hh s | s], so a batch gathers its parents in one stack; in the usual batch
+(one child depth) the depth's base logits enter as the W2 product's bias; the root's row depends
+on its token alone and is kept with the input table. Nodes at the depth limit are never expanded.
 The pop sequence, tokens and parents are those of trees/dominotree.build_dominotree.
 """
 from __future__ import annotations
@@ -40,6 +43,7 @@ class GruInputs:
             self.table = torch.empty(embed.shape[0], w_ih.shape[0])   # pages are committed as rows are written
         self.ready: set[int] = set()
         self.warmed: set[tuple] = set()   # token sets HeadWeights.warm filled
+        self.roots: dict[int, torch.Tensor] = {}   # root token -> its tree node row (the builder's cache)
         self.versions = (embed._version, w_ih._version)
 
     def matches(self, embed: torch.Tensor, w_ih: torch.Tensor) -> bool:
@@ -93,6 +97,11 @@ class HeadWeights:
             table.fill(tokens.tolist())
             table.warmed.add(key)
 
+    def root_rows(self, embed) -> dict:
+        """The builder's root-row cache for this embedding (a fresh dict for an embedding module,
+        whose weights are not tracked)."""
+        return self._table(embed).roots if isinstance(embed, torch.Tensor) else {}
+
     def _table(self, embed: torch.Tensor) -> GruInputs:
         if self.inputs is None or not self.inputs.matches(embed, self.w_ih):
             self.inputs = GruInputs(embed, self.w_ih)
@@ -100,10 +109,12 @@ class HeadWeights:
 
 
 def gru_from_halves(gi: torch.Tensor, gh: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
-    """gru_cell's step from its two products: gi = W_ih x, gh = W_hh state (gate order r, z, n)."""
+    """gru_cell's step from its two products: gi = W_ih x, gh = W_hh state (gate order r, z, n).
+    (1 - z) n + z s is written as lerp(n, s, z): one kernel instead of four."""
     G = state.shape[-1]
-    r, z = torch.sigmoid(gi[:, :2 * G] + gh[:, :2 * G]).chunk(2, -1)
-    return (1 - z) * torch.tanh(gi[:, 2 * G:] + r * gh[:, 2 * G:]) + z * state
+    rz = torch.sigmoid(gi[:, :2 * G] + gh[:, :2 * G])
+    n = torch.tanh(torch.addcmul(gi[:, 2 * G:], rz[:, :G], gh[:, 2 * G:]))
+    return torch.lerp(n, state, rz[:, G:])
 
 
 def build_dominotree_fast(base_logits: torch.Tensor, hidden: torch.Tensor, head, embed, root_token: int,
@@ -119,7 +130,7 @@ def build_dominotree_fast(base_logits: torch.Tensor, hidden: torch.Tensor, head,
     D = base_logits.shape[0] if max_depth is None else min(max_depth, base_logits.shape[0])
     emb = _embedder(embed)
     k = min(node_topk, base_logits.shape[-1] if corr_topm is None else min(corr_topm, base_logits.shape[-1]))
-    r = W.w1_s.shape[0]
+    r, G = W.w1_s.shape[0], W.w_hh.shape[1]
     top = depth_candidates(base_logits, corr_topm, vocab_ids)
     cands = None if top is None else top[0]
     # Hoisted per round: W1_h H_d, candidate base logits and W2 rows, prefix-depth children.
@@ -128,20 +139,20 @@ def build_dominotree_fast(base_logits: torch.Tensor, hidden: torch.Tensor, head,
         M = cands.shape[1]
         base_c = top[1][:D]
         w2_c = W.w2[cands[:D].reshape(-1)]                    # [D * M, r]: every depth's candidate rows
+        w2_d = w2_c.view(-1, M, r)                            # ... by depth
     prefix_kids = {d: marginal_children(base_logits[d - 1], node_topk,
                                         None if top is None else (top[0][d - 1], top[1][d - 1]))
                    for d in range(1, min(prefix_len, D) + 1)}
-    G = W.w_hh.shape[1]
-    root_state = gru_from_halves(W.input_rows(embed, [root_token]), torch.zeros(1, 3 * G), torch.zeros(1, G))
     fixed = None
     if conditioning == "greedy":
+        root_state = gru_from_halves(W.input_rows(embed, [root_token]), torch.zeros(1, 3 * G), torch.zeros(1, G))
         fixed = torch.cat(greedy_chain_states(base_logits, hidden, head, emb, root_state, prefix_len))
 
-    def project(states: torch.Tensor):
-        """(W1_s s, W_hh s) for new states: the first scores their children, the second is the GRU's
-        state half for every child of them."""
-        both = F.linear(states, W.s_proj)
-        return both[:, :r], both[:, r:]
+    def node_rows(states: torch.Tensor) -> torch.Tensor:
+        """[W1_s s | W_hh s | s] for new states: the first part scores their children, the second is
+        the GRU's state half for every child of them, the third the state itself (one row per node:
+        a batch's parents are gathered in one stack)."""
+        return torch.cat([F.linear(states, W.s_proj), states], 1)
 
     def expand(zs: torch.Tensor, child_depths: list[int]):
         """Children (tokens, log-probs) at the given child depths of parents whose W1_s s rows are zs."""
@@ -152,41 +163,56 @@ def build_dominotree_fast(base_logits: torch.Tensor, hidden: torch.Tensor, head,
                 out[i] = prefix_kids[d]
         if not rows:
             return out
-        di = torch.tensor([child_depths[i] - 1 for i in rows])
-        zs = F.linear(fixed[di], W.w1_s) if fixed is not None else zs[rows]
-        z = F.silu(zh[di] + zs)                               # [n, r]
-        if cands is None:
-            lp = torch.log_softmax(base_logits[di] + F.linear(z, W.w2), -1)
-            top = torch.topk(lp, k, dim=-1)
-            ids, vals = top.indices, top.values
+        depth_set = {child_depths[i] for i in rows}
+        if fixed is None and cands is not None and len(depth_set) == 1:
+            # The usual batch: one depth's candidates, its base logits a bias of the W2 product.
+            d = depth_set.pop() - 1
+            z = F.silu((zs if len(rows) == len(zs) else zs[rows]) + zh[d])
+            corrected = F.linear(z, w2_d[d], base_c[d])
+            if normalization == "topm":
+                lp = torch.log_softmax(corrected, -1)
+            else:
+                lp = corrected - torch.logsumexp(base_logits[d] + F.linear(z, W.w2), -1, keepdim=True)
+            best = torch.topk(lp, k, dim=-1)
+            ids, vals = cands[d][best.indices], best.values
         else:
-            depth_set = {child_depths[i] for i in rows}
-            if len(depth_set) == 1:                           # the usual batch: one depth's candidates
-                d = depth_set.pop() - 1
-                corrected = base_c[d] + F.linear(z, w2_c[d * M:(d + 1) * M])
+            di = torch.tensor([child_depths[i] - 1 for i in rows])
+            zs = F.linear(fixed[di], W.w1_s) if fixed is not None else zs[rows]
+            z = F.silu(zh[di] + zs)                           # [n, r]
+            if cands is None:
+                lp = torch.log_softmax(base_logits[di] + F.linear(z, W.w2), -1)
+                best = torch.topk(lp, k, dim=-1)
+                ids, vals = best.indices, best.values
             else:
                 # One product against all depths' candidates, then each row's own depth: cheaper
                 # here than gathering [n, M, r] W2 rows per expansion.
                 every = F.linear(z, w2_c).view(len(rows), D, M)
                 corrected = base_c[di] + every[torch.arange(len(rows)), di]
-            if normalization == "topm":
-                lp = torch.log_softmax(corrected, -1)
-            else:
-                lp = corrected - torch.logsumexp(base_logits[di] + F.linear(z, W.w2), -1, keepdim=True)
-            top = torch.topk(lp, k, dim=-1)
-            ids, vals = torch.gather(cands[di], 1, top.indices), top.values
+                if normalization == "topm":
+                    lp = torch.log_softmax(corrected, -1)
+                else:
+                    lp = corrected - torch.logsumexp(base_logits[di] + F.linear(z, W.w2), -1, keepdim=True)
+                best = torch.topk(lp, k, dim=-1)
+                ids, vals = torch.gather(cands[di], 1, best.indices), best.values
         for j, (t, v) in enumerate(zip(ids.tolist(), vals.tolist())):
             out[rows[j]] = (t, v)
         return out
 
-    root_zs, root_hh = project(root_state)
+    # The root's row is a function of its token alone (zero state): kept with the input table
+    roots = W.root_rows(embed)
+    root_row = roots.get(root_token)
+    if root_row is None:
+        root_row = node_rows(gru_from_halves(W.input_rows(embed, [root_token]), torch.zeros(1, 3 * G),
+                                             torch.zeros(1, G)))[0]
+        if len(roots) >= 4096:
+            roots.clear()
+        roots[root_token] = root_row
     tokens, parents, depths, scores = [root_token], [-1], [0], [0.0]
-    states: list[torch.Tensor] = [root_state[0]]
-    hhs: list[torch.Tensor | None] = [root_hh[0]]     # W_hh s of each tree node (None: at the depth limit)
-    cache: dict[int, tuple] = {}           # heap entry id -> (state, W_hh state, children)
+    rows_of: list[torch.Tensor | None] = [root_row]     # each tree node's row (None: no children possible)
+    cache: dict[int, tuple] = {}           # heap entry id -> (node row, children)
     heap, counter = [], 0
     if D >= 1:
-        for tok, lp in zip(*expand(root_zs, [1])[0]):
+        for tok, lp in zip(*expand(root_row[None, :r], [1])[0]):
             heapq.heappush(heap, (-lp, counter, tok, 1, 0))
             counter += 1
     while heap and len(tokens) - 1 < budget:
@@ -197,26 +223,21 @@ def build_dominotree_fast(base_logits: torch.Tensor, hidden: torch.Tensor, head,
         room = budget - (len(tokens) - 1)
         if eid not in cache and room > 1:     # the budget's last node needs no state or children
             batch = [entry] + heapq.nsmallest(min(lookahead, room) - 1, heap)
-            batch = [e for e in batch if e[1] not in cache]
-            par = [e[4] for e in batch]
-            new_states = gru_from_halves(W.input_rows(embed, [e[2] for e in batch]),
-                                         torch.stack([hhs[p] for p in par]), torch.stack([states[p] for p in par]))
-            grow = [i for i, e in enumerate(batch) if e[3] < D]     # nodes at the depth limit have no children
-            kids, hh = {}, {}
-            if grow:
-                zs, hh_rows = project(new_states[grow])
-                kids = dict(zip(grow, expand(zs, [batch[i][3] + 1 for i in grow])))
-                hh = dict(zip(grow, hh_rows))
-            for i, (e, s) in enumerate(zip(batch, new_states)):
-                cache[e[1]] = (s, hh.get(i), kids.get(i))
-        state, state_hh, kids = cache.pop(eid, (None, None, None))
+            batch = [e for e in batch if e[1] not in cache and e[3] < D]   # depth-limit nodes have no children
+            if batch:
+                par = torch.stack([rows_of[e[4]] for e in batch])
+                new_rows = node_rows(gru_from_halves(W.input_rows(embed, [e[2] for e in batch]),
+                                                     par[:, r:r + 3 * G], par[:, r + 3 * G:]))
+                kids = expand(new_rows[:, :r], [e[3] + 1 for e in batch])
+                for e, row, kid in zip(batch, new_rows, kids):
+                    cache[e[1]] = (row, kid)
+        row, kids = cache.pop(eid, (None, None))
         idx = len(tokens)
         tokens.append(tok)
         parents.append(parent)
         depths.append(depth)
         scores.append(-neg)
-        states.append(state)
-        hhs.append(state_hh)
+        rows_of.append(row)
         if kids is not None:
             for ctok, lp in zip(*kids):
                 heapq.heappush(heap, (neg - lp, counter, ctok, depth + 1, idx))
