@@ -154,6 +154,13 @@ def build_dominotree_fast(base_logits: torch.Tensor, hidden: torch.Tensor, head,
         a batch's parents are gathered in one stack)."""
         return torch.cat([F.linear(states, W.s_proj), states], 1)
 
+    def candidate_log_probs(corrected: torch.Tensor, z: torch.Tensor, base_rows: torch.Tensor) -> torch.Tensor:
+        """The top-M candidates' corrected logits normalised over themselves ("topm") or over the
+        whole corrected vocabulary ("exact")."""
+        if normalization == "topm":
+            return torch.log_softmax(corrected, -1)
+        return corrected - torch.logsumexp(base_rows + F.linear(z, W.w2), -1, keepdim=True)
+
     def expand(zs: torch.Tensor, child_depths: list[int]):
         """Children (tokens, log-probs) at the given child depths of parents whose W1_s s rows are zs."""
         out = [None] * len(child_depths)
@@ -169,11 +176,7 @@ def build_dominotree_fast(base_logits: torch.Tensor, hidden: torch.Tensor, head,
             d = depth_set.pop() - 1
             z = F.silu((zs if len(rows) == len(zs) else zs[rows]) + zh[d])
             corrected = F.linear(z, w2_d[d], base_c[d])
-            if normalization == "topm":
-                lp = torch.log_softmax(corrected, -1)
-            else:
-                lp = corrected - torch.logsumexp(base_logits[d] + F.linear(z, W.w2), -1, keepdim=True)
-            best = torch.topk(lp, k, dim=-1)
+            best = torch.topk(candidate_log_probs(corrected, z, base_logits[d]), k, dim=-1)
             ids, vals = cands[d][best.indices], best.values
         else:
             di = torch.tensor([child_depths[i] - 1 for i in rows])
@@ -188,11 +191,7 @@ def build_dominotree_fast(base_logits: torch.Tensor, hidden: torch.Tensor, head,
                 # here than gathering [n, M, r] W2 rows per expansion.
                 every = F.linear(z, w2_c).view(len(rows), D, M)
                 corrected = base_c[di] + every[torch.arange(len(rows)), di]
-                if normalization == "topm":
-                    lp = torch.log_softmax(corrected, -1)
-                else:
-                    lp = corrected - torch.logsumexp(base_logits[di] + F.linear(z, W.w2), -1, keepdim=True)
-                best = torch.topk(lp, k, dim=-1)
+                best = torch.topk(candidate_log_probs(corrected, z, base_logits[di]), k, dim=-1)
                 ids, vals = torch.gather(cands[di], 1, best.indices), best.values
         for j, (t, v) in enumerate(zip(ids.tolist(), vals.tolist())):
             out[rows[j]] = (t, v)
