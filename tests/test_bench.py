@@ -245,3 +245,31 @@ def test_build_time_times_both_builders_on_recorded_rounds(bench_env, tiny_llama
     # every round of the 3 generations was recorded (the drafts' `depths` passed through) and rebuilt identically
     assert res["rounds"] >= 3 and res["budget"] == 6 and res["reference_ms"] > 0 and res["fast_ms"] > 0
     assert "identical trees" in capsys.readouterr().out
+
+
+def test_build_time_takes_a_dominotree_spec_and_rejects_other_methods(bench_env, tiny_llama_dir, tmp_path,
+                                                                       capsys, monkeypatch):
+    from conftest import VOCAB
+    from dominotree.bench import build_time
+    from dominotree.train.data import Sequence, write_shard
+    source = tmp_path / "shards"
+    source.mkdir()
+    write_shard(source / "shard_00000.npz", [Sequence(np.array([1, 2] + list(range(4, VOCAB)) * 2), 2, "t")])
+    seen = []   # the (compact) score rows each timed build scanned
+    inner = build_time.build_dominotree_fast
+    monkeypatch.setattr(build_time, "build_dominotree_fast",
+                        lambda logits, *a, **kw: seen.append((logits.shape[-1], kw["vocab_ids"])) or inner(logits, *a, **kw))
+    out = tmp_path / "build"
+    args = ["bench", "--build-time", "--model", str(tiny_llama_dir), "--dtype", "fp32",
+            "--prompts-file", str(bench_env / "prompts.jsonl"), "--domino-drafter", str(bench_env / "domino"),
+            "--out", str(out), "--max-new-tokens", "12", "--budget", "6"]
+    spec = f"dominotree:budget=5,draft_vocab=48,draft_vocab_source={source},corr_topm=16"
+    assert cli_main(args + ["--methods", spec]) == 0
+    res = json.loads((out / "build_time.json").read_text())
+    assert res["budget"] == 5 and res["options"]["draft_vocab"] == 48 and res["rounds"] >= 3
+    # the 48 ranked ids plus the EOS a draft vocabulary always keeps, never the whole vocabulary
+    assert seen and all(ids is not None and width == len(ids) == 49 for width, ids in seen)
+    assert "identical trees" in capsys.readouterr().out
+    for bad in ("ddtree:budget=5", "dominotree,dominotree:budget=4", "dominotree:conditioning=greedy"):
+        assert cli_main(args + ["--methods", bad]) == 2
+        assert "--build-time" in capsys.readouterr().err

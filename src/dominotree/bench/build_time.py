@@ -2,7 +2,9 @@
 
 Drafts are recorded from real DominoTree rounds on benchmark prompts; then both builders run on
 each recorded draft, interleaved (reference, fast, fast, reference, ...), and must return the
-identical tree. Reports medians and the ratio (`dominotree bench --build-time`)."""
+identical tree. Reports medians and the ratio (`dominotree bench --build-time`); a DominoTree spec
+in `--methods` (e.g. `dominotree:budget=8,draft_vocab=8192`) sets the rounds' options, so the
+builders are timed on the configuration a benchmark runs."""
 from __future__ import annotations
 
 import statistics
@@ -14,8 +16,8 @@ from ..trees.fast import HeadWeights, build_dominotree_fast
 from ..trees.dominotree import build_dominotree
 
 
-def record_drafts(target, drafter, prompts, max_new_tokens=64, budget=16) -> list[tuple]:
-    """(DraftOutput, root) pairs from the rounds of real generations."""
+def record_drafts(target, drafter, prompts, max_new_tokens=64, budget=16, options=None) -> list[tuple]:
+    """(DraftOutput, root) pairs from the rounds of real generations (`options`: generate's)."""
     import dominotree as dt
     recorded = []
     inner_draft = drafter.draft
@@ -28,7 +30,8 @@ def record_drafts(target, drafter, prompts, max_new_tokens=64, budget=16) -> lis
     drafter.draft = spy
     try:
         for p in prompts:
-            dt.generate(target, drafter, p, method="dominotree", max_new_tokens=max_new_tokens, budget=budget)
+            dt.generate(target, drafter, p, method="dominotree", max_new_tokens=max_new_tokens,
+                        **{"budget": budget, **(options or {})})
     finally:
         del drafter.draft
     return recorded
@@ -41,16 +44,19 @@ def time_builders(target, drafter, drafts, budget=16, node_topk=8, corr_topm=64,
     kw = dict(node_topk=node_topk, corr_topm=corr_topm, prefix_len=drafter.prefix_len)
     ref_ms, fast_ms = [], []
     for draft, root in drafts:
+        logits, ids = draft.scores()   # compact rows when the rounds drafted over a draft vocabulary
+        if ids is not None:
+            weights.warm(embed, ids)   # as the engine does once per request
         trees = {}
         for order in range(repeats):
             for name in (("reference", "fast") if order % 2 == 0 else ("fast", "reference")):
                 t0 = time.perf_counter()
                 with torch.inference_mode():
                     if name == "fast":
-                        tree = build_dominotree_fast(draft.base_logits, draft.hidden, head, embed, root, budget,
-                                                     weights=weights, **kw)
+                        tree = build_dominotree_fast(logits, draft.hidden, head, embed, root, budget,
+                                                     vocab_ids=ids, weights=weights, **kw)
                     else:
-                        tree = build_dominotree(draft.base_logits, draft.hidden, head, embed, root, budget, **kw)
+                        tree = build_dominotree(logits, draft.hidden, head, embed, root, budget, vocab_ids=ids, **kw)
                 (fast_ms if name == "fast" else ref_ms).append((time.perf_counter() - t0) * 1e3)
                 trees[name] = tree
         a, b = trees["reference"], trees["fast"]

@@ -82,12 +82,13 @@ def main(args) -> int:
                         ("--budget", args.budget, 1), ("--warmup", args.warmup, 0), ("--tie-tol", args.tie_tol, 0)):
         if v < lo:
             raise ValueError(f"{flag} must be >= {lo}, got {v}")
+    build_options = build_time_options(args) if args.build_time else None   # fail before loading anything
     prompts = load_prompts(args)
 
     import dominotree as dt
     target = dt.load_target(args.model, dtype=args.dtype, pack=not args.no_pack, gqa=not args.no_gqa)
     if args.build_time:
-        return build_time(args, target, prompts)
+        return build_time(args, target, prompts, build_options)
     names = {"dflash": args.dflash_drafter, "domino": args.domino_drafter}
     drafters = {k: dt.load_drafter(names[k], target=target, pack=not args.no_pack) for k in dict.fromkeys(s.drafter for s in specs) if k}
     out = Path(args.out)
@@ -108,18 +109,36 @@ def main(args) -> int:
     return verdict(records)
 
 
-def build_time(args, target, prompts) -> int:
+def build_time(args, target, prompts, options: dict) -> int:
     import dominotree as dt
     from .build_time import record_drafts, time_builders
     drafter = dt.load_drafter(args.domino_drafter, target=target, pack=not args.no_pack)
-    drafts = record_drafts(target, drafter, [p.text for p in prompts], args.max_new_tokens, args.budget)
-    res = {"command": command_line(args), **time_builders(target, drafter, drafts, budget=args.budget)}
+    drafts = record_drafts(target, drafter, [p.text for p in prompts], args.max_new_tokens, args.budget, options)
+    budget = options.get("budget", args.budget)
+    timed = time_builders(target, drafter, drafts, budget=budget, node_topk=options.get("node_topk", 8),
+                          corr_topm=options.get("corr_topm", 64))
+    res = {"command": command_line(args), "options": options, **timed}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "build_time.json").write_text(json.dumps(res, indent=1) + "\n")
     print(f"DominoTree build per round over {res['rounds']} recorded rounds (budget {res['budget']}): reference "
           f"{res['reference_ms']:.2f} ms, fast {res['fast_ms']:.2f} ms ({res['speedup']:.2f}x), identical trees")
     return 0
+
+
+def build_time_options(args) -> dict:
+    """The rounds' options for --build-time: those of the one DominoTree spec in --methods (none: defaults)."""
+    if args.methods is None:
+        return {}
+    specs = [s for s in expand_methods(args.methods, None) if s.method != "ar"]
+    if len(specs) != 1 or specs[0].method != "dominotree":
+        raise ValueError("--build-time times the DominoTree builders: give --methods one dominotree spec "
+                         f"(e.g. dominotree:budget=8,draft_vocab=8192), got {args.methods!r}")
+    options = specs[0].config(args.budget)
+    for key in ("normalization", "conditioning", "max_depth", "builder"):
+        if key in options:
+            raise ValueError(f"--build-time compares the builders at their defaults; {key} is not an option here")
+    return options
 
 
 def _floats(text: str, flag: str) -> list[float]:
