@@ -273,3 +273,4 @@ def test_build_time_takes_a_dominotree_spec_and_rejects_other_methods(bench_env,
     for bad in ("ddtree:budget=5", "dominotree,dominotree:budget=4", "dominotree:conditioning=greedy"):
         assert cli_main(args + ["--methods", bad]) == 2
         assert "--build-time" in capsys.readouterr().err
+    assert cli_main(args + ["--preset", "topm"]) == 2 and "--preset" in capsys.readouterr().err

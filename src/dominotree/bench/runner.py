@@ -128,6 +128,8 @@ def build_time(args, target, prompts, options: dict) -> int:
 
 def build_time_options(args) -> dict:
     """The rounds' options for --build-time: those of the one DominoTree spec in --methods (none: defaults)."""
+    if args.preset:
+        raise ValueError("--build-time takes no --preset: give --methods one dominotree spec instead")
     if args.methods is None:
         return {}
     specs = [s for s in expand_methods(args.methods, None) if s.method != "ar"]
