@@ -16,7 +16,7 @@ from ..trees.fast import HeadWeights, build_dominotree_fast
 from ..trees.dominotree import build_dominotree
 
 
-def record_drafts(target, drafter, prompts, max_new_tokens=64, budget=16, options=None) -> list[tuple]:
+def record_drafts(target, drafter, prompts, max_new_tokens=64, options=None) -> list[tuple]:
     """(DraftOutput, root) pairs from the rounds of real generations (`options`: generate's)."""
     import dominotree as dt
     recorded = []
@@ -30,8 +30,7 @@ def record_drafts(target, drafter, prompts, max_new_tokens=64, budget=16, option
     drafter.draft = spy
     try:
         for p in prompts:
-            dt.generate(target, drafter, p, method="dominotree", max_new_tokens=max_new_tokens,
-                        **{"budget": budget, **(options or {})})
+            dt.generate(target, drafter, p, method="dominotree", max_new_tokens=max_new_tokens, **(options or {}))
     finally:
         del drafter.draft
     return recorded

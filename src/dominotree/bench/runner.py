@@ -112,11 +112,11 @@ def main(args) -> int:
 def build_time(args, target, prompts, options: dict) -> int:
     import dominotree as dt
     from .build_time import record_drafts, time_builders
+    options = {"budget": args.budget, **options}
+    cfg = dt.SpecConfig(method="dominotree", **options)     # the builders' knobs, defaults included
     drafter = dt.load_drafter(args.domino_drafter, target=target, pack=not args.no_pack)
-    drafts = record_drafts(target, drafter, [p.text for p in prompts], args.max_new_tokens, args.budget, options)
-    budget = options.get("budget", args.budget)
-    timed = time_builders(target, drafter, drafts, budget=budget, node_topk=options.get("node_topk", 8),
-                          corr_topm=options.get("corr_topm", 64))
+    drafts = record_drafts(target, drafter, [p.text for p in prompts], args.max_new_tokens, options)
+    timed = time_builders(target, drafter, drafts, budget=cfg.budget, node_topk=cfg.node_topk, corr_topm=cfg.corr_topm)
     res = {"command": command_line(args), "options": options, **timed}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
