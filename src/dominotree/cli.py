@@ -19,7 +19,7 @@ def _load(args, need_drafter: bool):
     import dominotree as dt
     pack = not getattr(args, "no_pack", False)
     target = dt.load_target(args.model, dtype=getattr(args, "dtype", None), pack=pack,
-                            gqa=not getattr(args, "no_gqa", False))
+                            gqa=not getattr(args, "no_gqa", False), lean=not getattr(args, "no_lean_target", False))
     drafter = None
     if need_drafter:
         drafter = dt.load_drafter(args.drafter, target=target, pack=pack)
@@ -118,6 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--dtype", default=None, choices=["bf16", "fp32", "fp16"], help="target dtype (default bf16)")
         sp.add_argument("--no-pack", action="store_true", help="plain transformers linears (no pre-packed bf16 weights)")
         sp.add_argument("--no-gqa", action="store_true", help="transformers' sdpa attention (not the packed GQA one)")
+        sp.add_argument("--no-lean-target", action="store_true",
+                        help="step the target on transformers' forward (not the lean path)")
 
     g = sub.add_parser("generate", help="generate text with a speculative method")
     model_flags(g)

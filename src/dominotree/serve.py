@@ -377,7 +377,8 @@ def main(args) -> int:
         dflash = args.method in ("dflash", "ddtree", "caddtree")   # the same defaults as `generate`
         args.drafter = "smollm2-135m-dflash" if dflash else "smollm2-135m-domino"
     pack = not args.no_pack
-    target = dt.load_target(args.model, dtype=args.dtype, pack=pack, gqa=not args.no_gqa)
+    target = dt.load_target(args.model, dtype=args.dtype, pack=pack, gqa=not args.no_gqa,
+                            lean=not args.no_lean_target)
     drafter = None if args.method == "ar" else dt.load_drafter(args.drafter, target=target, pack=pack)
     name = os.path.basename(os.path.normpath(args.model)) if os.path.isdir(args.model) else args.model
     app = create_app(target, drafter, args.method, name, lookup=args.lookup, lookup_store=args.lookup_store,

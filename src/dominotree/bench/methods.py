@@ -3,8 +3,9 @@
 A spec's label is how it appears in every table; its options override the run-wide ones
 (`--budget`). `drafter=dflash|domino` picks the drafter, `pack=0` runs the method (`ar` too) on
 the plain linears instead of the pre-packed ones, `gqa=0` on transformers' `sdpa` attention
-instead of the packed GQA one and `lean=0` drafts on the drafter's module path instead of its lean
-one (interleaved A/Bs of those fast paths); the rest are SpecConfig fields."""
+instead of the packed GQA one, `lean=0` drafts on the drafter's module path instead of its lean
+one and `lean_target=0` steps the target (`ar` too) on transformers' forward instead of its lean
+path (interleaved A/Bs of those fast paths); the rest are SpecConfig fields."""
 from __future__ import annotations
 
 import time
@@ -19,8 +20,8 @@ ALL_METHODS = METHODS + HF_PEERS
 DOMINO_METHODS = ("domino", "dominotree", "condadaptive")      # default to the Domino drafter
 ADAPTIVE = ("caddtree", "condadaptive")                         # need a cost model
 RUN_WIDE = {"method", "temperature", "max_new_tokens", "seed", "stop", "raw"}   # set by the runner
-SWITCHES = ("pack", "gqa", "lean")  # on/off fast paths
-AR_SWITCHES = ("pack", "gqa")       # the only options `ar` takes (it drafts nothing)
+SWITCHES = ("pack", "gqa", "lean", "lean_target")  # on/off fast paths
+AR_SWITCHES = ("pack", "gqa", "lean_target")       # the only options `ar` takes (it drafts nothing)
 PRESETS = {
     "ladder": ["ddtree:drafter=domino", "dominotree:conditioning=greedy", "dominotree"],
     "topm": [f"dominotree:corr_topm={m}" for m in (8, 16, 32, 64)] + ["dominotree:corr_topm=full"],
@@ -40,6 +41,7 @@ class MethodSpec:
     packed: bool = True                          # False: run on the plain linears (`pack=0`, see packed.py)
     gqa: bool = True                             # False: transformers' sdpa (`gqa=0`, see gqa_attention.py)
     lean: bool = True                            # False: the drafter's module path (`lean=0`, see drafters/lean.py)
+    lean_target: bool = True                     # False: transformers' forward for the target (see lean_target.py)
 
     @property
     def is_peer(self) -> bool:
@@ -82,7 +84,7 @@ def parse_method(spec: str) -> MethodSpec:
         if not eq:
             raise ValueError(f"method option {item!r} in {spec!r} is not key=value")
         if name in HF_PEERS or (name == "ar" and key not in AR_SWITCHES):
-            raise ValueError(f"method {name!r} takes no options{' but pack, gqa' if name == 'ar' else ''} (got {spec!r})")
+            raise ValueError(f"method {name!r} takes no options{' but ' + ', '.join(AR_SWITCHES) if name == 'ar' else ''} (got {spec!r})")
         if key in SWITCHES:
             if val.strip().lower() not in ("0", "1", "false", "true"):
                 raise ValueError(f"{key} must be 0 or 1 in {spec!r}")
@@ -94,7 +96,7 @@ def parse_method(spec: str) -> MethodSpec:
         elif key in allowed:
             options[key] = _value(key, val)
         else:
-            raise ValueError(f"unknown option {key!r} in {spec!r}; choose from drafter, pack, gqa, lean, "
+            raise ValueError(f"unknown option {key!r} in {spec!r}; choose from drafter, {', '.join(SWITCHES)}, "
                              f"{', '.join(sorted(allowed))}")
     if name != "ar" and name not in HF_PEERS:
         drafter = drafter or ("domino" if name in DOMINO_METHODS else "dflash")
@@ -104,7 +106,8 @@ def parse_method(spec: str) -> MethodSpec:
             SpecConfig(method=name, **options)
         except TypeError as e:
             raise ValueError(f"bad option value in {spec!r}: {e}") from e
-    return MethodSpec(spec, name, options, drafter, switches["pack"], switches["gqa"], switches["lean"])
+    return MethodSpec(spec, name, options, drafter, **{k: switches[k] for k in ("gqa", "lean", "lean_target")},
+                      packed=switches["pack"])
 
 
 def expand_methods(methods: str | None, preset: str | None) -> list[MethodSpec]:

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 from ..drafters.lean import module_path
+from ..lean_target import transformers_forward
 from ..gqa_attention import stock_attention
 from ..machine import machine_info
 from ..packed import packing
@@ -95,7 +96,7 @@ def main(args) -> int:
     out.mkdir(parents=True, exist_ok=True)
     cost_model = ensure_cost_model(args, target, drafters, specs, out)
     info = {"command": command_line(args), "model": args.model, "packed": target.packed,
-            "gqa_attention": target.gqa_attention,
+            "gqa_attention": target.gqa_attention, "lean_target": target.lean,
             "lean_drafters": sorted(k for k, d in drafters.items() if d.lean() is not None),
             "cost_model": cost_model, "tie_tol": args.tie_tol, "reference": args.reference, "machine": machine_info(),
             **{f"{k}_drafter": names[k] for k in drafters}}
@@ -240,6 +241,8 @@ def run_one(target, drafters, spec, prompt: Prompt, temperature: float, cost_mod
                 stack.enter_context(stock_attention(target.model))
             if not spec.lean:     # ... of the drafter's lean path
                 stack.enter_context(module_path(drafter))
+            if not spec.lean_target:   # ... of the target's lean path
+                stack.enter_context(transformers_forward(target))
             t0 = time.perf_counter()
             res = dt.generate(target, drafter, prompt.text, method=spec.method, max_new_tokens=n,
                               temperature=temperature, seed=args.seed, **opts)

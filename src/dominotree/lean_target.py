@@ -1,0 +1,154 @@
+"""The target's CPU step path: a Llama decoder run directly on its weights, the same numbers.
+
+A one-token step of the embedded 135M target spends about a third of its time outside its
+kernels: per layer seven linear calls, two RMSNorms of eight small ops, the cache update and the
+nn.Module and keyword plumbing around them. `LeanLlama` runs the same decoder with, per layer,
+one oneDNN-packed product for q/k/v and one for gate/up, the model's own rotary module once per
+step, the model's configured attention function (the packed GQA one, or transformers' `sdpa`
+under `gqa=0`) and the model's DynamicCache, so `commit` and `rollback` work as before. Every
+output column comes from the same packed bf16 kernel as in the module path, so a step's logits
+and features are bit-identical to it (tests/test_lean_target.py); a step takes ~1.4x less time
+here (docs/RESULTS.md, "Lean target path"). It lowers every method's time by about the same
+milliseconds, so it raises tokens per second everywhere and lowers speedups over plain decoding.
+
+It serves only what it reproduces exactly: Llama-layout models (no biases, SiLU MLP) whose linears
+are packed and enabled (packed.py), on steps of at most MAX_PACKED_ROWS tokens onto a cache the
+prefill has started. Everything else, prompts included, keeps transformers' forward: the reference.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+import torch.nn.functional as F
+
+from .packed import MAX_PACKED_ROWS, PackedLinear, pack_weight, packed_linear, weight_key
+
+try:
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    from transformers.models.llama.modeling_llama import eager_attention_forward as eager
+except ImportError:   # a transformers without the attention registry: the lean path stays off
+    ALL_ATTENTION_FUNCTIONS = None
+
+LAYOUT = ("llama",)   # model types whose decoder this file reproduces
+
+
+def _linears(model) -> list[torch.nn.Module]:
+    return [m for layer in model.model.layers for m in (layer.self_attn.q_proj, layer.self_attn.k_proj,
+                                                        layer.self_attn.v_proj, layer.self_attn.o_proj,
+                                                        layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj)]
+
+
+def supported(model) -> bool:
+    """A Llama-layout decoder this path reproduces (whatever its weights' state)."""
+    c = model.config
+    return (ALL_ATTENTION_FUNCTIONS is not None and getattr(c, "model_type", None) in LAYOUT
+            and not getattr(c, "attention_bias", False) and not getattr(c, "mlp_bias", False)
+            and getattr(c, "hidden_act", None) == "silu" and getattr(c, "pretraining_tp", 1) == 1
+            and hasattr(model, "model") and hasattr(model.model, "rotary_emb"))
+
+
+def state_key(model) -> tuple | None:
+    """What a LeanLlama is built from (None: the model cannot take the lean path now)."""
+    if not supported(model):
+        return None
+    linears = _linears(model)
+    if not all(type(m) is PackedLinear and m.packed_enabled and m.weight.dtype == torch.bfloat16
+               and m.weight.device.type == "cpu" for m in linears):
+        return None
+    norms = [w for layer in model.model.layers
+             for w in (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)]
+    return tuple(weight_key(w) for w in [m.weight for m in linears] + norms + [model.model.norm.weight])
+
+
+def _pack(*linears) -> torch.Tensor:
+    return pack_weight(torch.cat([m.weight.detach() for m in linears]))
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """LlamaRMSNorm: normalised in float32, scaled in the input dtype."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), -1) * sin
+
+
+class LeanLlama:
+    def __init__(self, model):
+        self.model, self.key = model, state_key(model)
+        c = model.config
+        self.heads, self.kv_heads = c.num_attention_heads, c.num_key_value_heads
+        self.head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        self.inter, self.eps = c.intermediate_size, c.rms_norm_eps
+        self.layers = []
+        for layer in model.model.layers:
+            a, m = layer.self_attn, layer.mlp
+            self.layers.append({
+                "attn": a,
+                "qkv": _pack(a.q_proj, a.k_proj, a.v_proj), "o": _pack(a.o_proj),
+                "gate_up": _pack(m.gate_proj, m.up_proj), "down": _pack(m.down_proj),
+                "norm1": layer.input_layernorm.weight.detach(),
+                "norm2": layer.post_attention_layernorm.weight.detach(),
+            })
+
+    def applies(self, cache, n: int, mask) -> bool:
+        """Whether this step can run here: a short step (a single token, or a masked tree) onto a
+        cache whose every layer holds the prompt."""
+        return (n <= MAX_PACKED_ROWS and (n == 1 or mask is not None)
+                and len(cache.layers) == len(self.layers)
+                and all(getattr(layer, "keys", None) is not None and layer.keys.numel() for layer in cache.layers))
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, mask, cache, taps: list[int]):
+        """ids [n] at positions [n] onto `cache`, mask [1, 1, n, L] additive (None for one token).
+        -> (last hidden state [n, h] after the final norm, {tap layer: its output [n, h]})."""
+        m, n = self.model.model, ids.shape[0]
+        H, Hkv, hd = self.heads, self.kv_heads, self.head_dim
+        attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.model.config._attn_implementation, eager)
+        x = m.embed_tokens(ids)[None]
+        cos, sin = m.rotary_emb(x, positions[None])
+        cos, sin = cos[:, None], sin[:, None]
+        wanted, feats = set(taps), {}
+        for i, (w, held) in enumerate(zip(self.layers, cache.layers)):
+            qkv = packed_linear(rms_norm(x, w["norm1"], self.eps), w["qkv"])
+            q = rotate(qkv[..., :H * hd].view(1, n, H, hd).transpose(1, 2), cos, sin)
+            k = rotate(qkv[..., H * hd:(H + Hkv) * hd].view(1, n, Hkv, hd).transpose(1, 2), cos, sin)
+            v = qkv[..., (H + Hkv) * hd:].view(1, n, Hkv, hd).transpose(1, 2)
+            held.keys = torch.cat([held.keys, k], -2)        # as DynamicCache.update does
+            held.values = torch.cat([held.values, v], -2)
+            out, _ = attention(w["attn"], q, held.keys, held.values, mask, dropout=0.0, scaling=w["attn"].scaling)
+            x = x + packed_linear(out.reshape(1, n, H * hd), w["o"])
+            gate_up = packed_linear(rms_norm(x, w["norm2"], self.eps), w["gate_up"])
+            x = x + packed_linear(F.silu(gate_up[..., :self.inter]) * gate_up[..., self.inter:], w["down"])
+            if i in wanted:
+                feats[i] = x[0]
+        x = rms_norm(x, m.norm.weight, self.eps)[0]
+        last = len(self.layers) - 1
+        if last in wanted:      # transformers' last hidden state is the normed one
+            feats[last] = x
+        return x, feats
+
+
+def lean_for(model, kept: LeanLlama | None) -> LeanLlama | None:
+    """The lean path for `model` as its weights and packing are now: `kept` if still current, a new
+    one if the model can take it, else None."""
+    key = state_key(model)
+    if key is None:
+        return None
+    if kept is not None and kept.model is model and kept.key == key:
+        return kept
+    return LeanLlama(model)
+
+
+@contextmanager
+def transformers_forward(target):
+    """Temporarily step `target` on transformers' forward (the reference), e.g. for an A/B."""
+    before = target.use_lean
+    target.use_lean = False
+    try:
+        yield
+    finally:
+        target.use_lean = before
