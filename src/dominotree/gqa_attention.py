@@ -33,15 +33,22 @@ except ImportError:   # a transformers without these extension points: models ke
 NAME = "dominotree_gqa"
 
 
-def grouped_sdpa(query, key, value, mask=None, scale=None):
+def grouped_mask(mask, groups: int):
+    """mask [b, 1, n, L] repeated for the `groups` query heads folded into each query block:
+    [b, 1, groups * n, L] (row g * n + i is row i). A step's layers can share one."""
+    b, _, n, L = mask.shape
+    return mask[:, :, None].expand(b, 1, groups, n, L).reshape(b, 1, groups * n, L)
+
+
+def grouped_sdpa(query, key, value, mask=None, scale=None, mask_grouped: bool = False):
     """SDPA of query [B, H, n, D] on key/value [B, H_kv, L, D], each group of H / H_kv query heads
-    folded into one query block of its key/value head; mask [b, 1, n, L] or None. -> [B, H, n, D]."""
+    folded into one query block of its key/value head; mask [b, 1, n, L] or None (or, with
+    `mask_grouped`, already grouped_mask's [b, 1, groups * n, L]). -> [B, H, n, D]."""
     B, H, n, D = query.shape
     groups = H // key.shape[1]
     q = query.reshape(B, H // groups, groups * n, D)   # heads h = kv * groups + g: row g * n + i
-    if mask is not None and n > 1:
-        b, _, _, L = mask.shape
-        mask = mask[:, :, None].expand(b, 1, groups, n, L).reshape(b, 1, groups * n, L)
+    if mask is not None and n > 1 and not mask_grouped:
+        mask = grouped_mask(mask, groups)
     return F.scaled_dot_product_attention(q, key, value, attn_mask=mask, scale=scale).view(B, H, n, D)
 
 
@@ -97,4 +104,4 @@ def stock_attention(model):
             model.set_attn_implementation(NAME)
 
 
-__all__ = ["NAME", "grouped_sdpa", "gqa_attention", "use_gqa_attention", "uses_gqa_attention", "stock_attention"]
+__all__ = ["NAME", "grouped_mask", "grouped_sdpa", "gqa_attention", "use_gqa_attention", "uses_gqa_attention", "stock_attention"]

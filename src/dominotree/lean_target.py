@@ -4,12 +4,13 @@ A one-token step of the embedded 135M target spends about a third of its time ou
 kernels: per layer seven linear calls, two RMSNorms of eight small ops, the cache update and the
 nn.Module and keyword plumbing around them. `LeanLlama` runs the same decoder with, per layer,
 one oneDNN-packed product for q/k/v and one for gate/up, the model's own rotary module once per
-step, the model's configured attention function (the packed GQA one, or transformers' `sdpa`
-under `gqa=0`) and the model's DynamicCache, so `commit` and `rollback` work as before. Every
-output column comes from the same packed bf16 kernel as in the module path, so a step's logits
-and features are bit-identical to it (tests/test_lean_target.py); a step takes ~1.4x less time
-here (docs/RESULTS.md, "Lean target path"). It lowers every method's time by about the same
-milliseconds, so it raises tokens per second everywhere and lowers speedups over plain decoding.
+step, the model's configured attention function (the packed GQA one, its tree mask grouped once
+per step rather than per layer, or transformers' `sdpa` under `gqa=0`) and the model's
+DynamicCache, so `commit` and `rollback` work as before. Every output column comes from the same
+packed bf16 kernel as in the module path, so a step's logits and features are bit-identical to it
+(tests/test_lean_target.py); a step is ~1.4x faster here (docs/RESULTS.md, "Lean target path").
+It takes about the same milliseconds off a one-token step and a tree verify, so it raises every
+method's tokens per second and lowers speedups over plain decoding.
 
 It serves only what it reproduces exactly: Llama-layout models (no biases, SiLU MLP) whose linears
 are packed and enabled (packed.py), on steps of at most MAX_PACKED_ROWS tokens onto a cache the
@@ -22,6 +23,8 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 
+from .gqa_attention import NAME as GQA_NAME
+from .gqa_attention import grouped_mask, grouped_sdpa
 from .packed import MAX_PACKED_ROWS, PackedLinear, pack_weight, packed_linear, weight_key
 
 try:
@@ -107,7 +110,11 @@ class LeanLlama:
         -> (last hidden state [n, h] after the final norm, {tap layer: its output [n, h]})."""
         m, n = self.model.model, ids.shape[0]
         H, Hkv, hd = self.heads, self.kv_heads, self.head_dim
-        attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.model.config._attn_implementation, eager)
+        impl = self.model.config._attn_implementation
+        attention = ALL_ATTENTION_FUNCTIONS.get_interface(impl, eager)
+        # the packed GQA attention as gqa_attention would run it, its mask grouped once per step
+        grouped = impl == GQA_NAME and H > Hkv
+        gmask = grouped_mask(mask, H // Hkv) if grouped and mask is not None and n > 1 else mask
         x = m.embed_tokens(ids)[None]
         cos, sin = m.rotary_emb(x, positions[None])
         cos, sin = cos[:, None], sin[:, None]
@@ -119,7 +126,10 @@ class LeanLlama:
             v = qkv[..., (H + Hkv) * hd:].view(1, n, Hkv, hd).transpose(1, 2)
             held.keys = torch.cat([held.keys, k], -2)        # as DynamicCache.update does
             held.values = torch.cat([held.values, v], -2)
-            out, _ = attention(w["attn"], q, held.keys, held.values, mask, dropout=0.0, scaling=w["attn"].scaling)
+            if grouped:
+                out = grouped_sdpa(q, held.keys, held.values, gmask, w["attn"].scaling, mask_grouped=True).transpose(1, 2)
+            else:
+                out, _ = attention(w["attn"], q, held.keys, held.values, mask, dropout=0.0, scaling=w["attn"].scaling)
             x = x + packed_linear(out.reshape(1, n, H * hd), w["o"])
             gate_up = packed_linear(rms_norm(x, w["norm2"], self.eps), w["gate_up"])
             x = x + packed_linear(F.silu(gate_up[..., :self.inter]) * gate_up[..., self.inter:], w["down"])

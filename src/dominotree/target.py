@@ -1,4 +1,5 @@
-"""TargetModel: any Hugging Face causal LM, driven through its public forward.
+"""TargetModel: any Hugging Face causal LM, driven through its public forward (a packed
+Llama-layout model steps on lean_target.py instead: the same numbers, fewer calls).
 
 The cache holds every committed token except the newest one (the *root*). A round feeds the
 root plus a flattened draft tree in one pass (position = start + depth, 4-D ancestor mask),
