@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import dominotree.engine
+import dominotree.bench.equality as equality
 from dominotree.bench.equality import first_divergence
 from dominotree.bench.methods import PRESETS, expand_methods, parse_method
 from dominotree.bench.metrics import bootstrap_ci, wilcoxon_p
@@ -100,6 +101,35 @@ def test_a_lossy_method_fails_the_equality_check(bench_env, tiny_llama_dir, tmp_
     assert any(r["equality"] and r["equality"]["match"] == "diverged" for r in recs)
     assert "FAILED" in (out / "summary.md").read_text()
     assert cli_main(["bench", "--report-only", str(out)]) == 1     # the verdict survives a re-derivation
+    # ... and a second opinion: a lossy method stays diverged in plain decoding's own steps
+    assert cli_main(["bench", "--report-only", str(out), "--recheck"]) == 1
+    again = [r["equality"] for r in read_jsonl(out / "results.jsonl") if r["equality"]]
+    assert any(e["match"] == "diverged" and e["step_gap"] > 0 for e in again)
+
+
+def test_step_gap_is_plain_decodings_gap_at_the_divergence(tiny_target):
+    import dominotree as dt
+    prompt = [1, 5, 6, 7, 8]
+    ar = dt.generate(tiny_target, None, prompt, method="ar", max_new_tokens=8).token_ids
+    gaps = [equality.step_gap(tiny_target, prompt, ar[:i]) for i in range(6)]
+    for i, g in enumerate(gaps):           # float32: the steps and one plain forward agree closely
+        assert g == pytest.approx(equality.top2_gap(tiny_target, prompt, ar[:i]), abs=1e-3)
+    assert len(set(round(g, 3) for g in gaps)) > 1      # the gap of each position, not one position's
+
+
+def test_a_full_forward_gap_over_the_tolerance_gets_a_second_opinion(tiny_target, monkeypatch):
+    import dominotree as dt
+    prompt = [1, 5, 6, 7, 8]
+    ar = dt.generate(tiny_target, None, prompt, method="ar", max_new_tokens=8).token_ids
+    other = ar[:3] + [(ar[3] + 1) % 90]
+    real = equality.step_gap(tiny_target, prompt, ar[:3])
+    monkeypatch.setattr(equality, "top2_gap", lambda *a: real + 10.0)   # a full forward that drifted
+    tie = equality.check(tiny_target, prompt, ar, other, tie_tol=real + 1.0)
+    assert tie["match"] == "tie" and tie["step_gap"] == pytest.approx(real) and tie["index"] == 3
+    bad = equality.check(tiny_target, prompt, ar, other, tie_tol=real / 2)
+    assert bad["match"] == "diverged"
+    assert "step_gap" not in equality.check(tiny_target, prompt, ar, other, tie_tol=real + 20.0)
+    assert cli_main(["bench", "--recheck", "--out", "x"]) == 2         # only with --report-only
 
 
 def test_reference_sets_the_paired_tests_and_survives_report_only(bench_env, tiny_llama_dir, tmp_path, capsys):

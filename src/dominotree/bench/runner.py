@@ -14,8 +14,8 @@ import time
 from pathlib import Path
 
 from ..drafters.lean import module_path
-from ..lean_target import transformers_forward
 from ..gqa_attention import stock_attention
+from ..lean_target import transformers_forward
 from ..machine import machine_info
 from ..packed import packing
 from .datasets import DATASETS, DEFAULT_DATASETS, Prompt, load_dataset
@@ -61,6 +61,9 @@ def add_bench_parser(sub) -> None:
                         "(default: dominotree, or its first variant); with --report-only, re-derives the tests")
     b.add_argument("--report-only", metavar="DIR", default=None,
                    help="re-derive summary.md, summary.csv and plots from DIR/results.jsonl")
+    b.add_argument("--recheck", action="store_true",
+                   help="with --report-only: run the equality check again on the outputs it had found diverged "
+                        "(loads the run's target; for runs checked before its second opinion, see bench/equality.py)")
     b.add_argument("--build-time", action="store_true",
                    help="instead: DominoTree build ms per round, reference vs fast builder, on drafts recorded "
                         "from real rounds (identical trees checked); writes DIR/build_time.json")
@@ -69,7 +72,11 @@ def add_bench_parser(sub) -> None:
 
 
 def main(args) -> int:
+    if args.recheck and not args.report_only:
+        raise ValueError("--recheck goes with --report-only DIR")
     if args.report_only:
+        if args.recheck:
+            recheck(Path(args.report_only))
         _, records = write_reports(Path(args.report_only), args.reference)
         print(f"reports written to {args.report_only}", file=sys.stderr)
         return verdict(records)
@@ -269,6 +276,34 @@ def warm_up(target, drafters, specs, prompt, temperature, cost_model, args) -> N
             run_one(target, drafters, s, prompt, temperature, cost_model, args, min(8, args.max_new_tokens))
 
 
+def recheck(out: Path) -> int:
+    """Run the equality check again on a finished run's diverged T = 0 outputs, with the run's own
+    command line (prompts, tolerance) and target settings; rewrites results.jsonl. -> outputs rechecked."""
+    from .equality import check
+    from .report import read_run
+    records, info = read_run(out)
+    bad = [r for r in records if (r.get("equality") or {}).get("match") == "diverged"]
+    if not bad:
+        return 0
+    parser = argparse.ArgumentParser(prog="dominotree")
+    add_bench_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(shlex.split(info["command"])[1:])
+    prompts = {(p.dataset, p.question_id): p for p in load_prompts(args)}
+    import dominotree as dt
+    # runs from before the lean target path record no "lean_target": their steps ran on transformers'
+    target = dt.load_target(args.model, dtype=args.dtype, pack=info.get("packed", True),
+                            gqa=info.get("gqa_attention", True), lean=info.get("lean_target", False))
+    refs = {(r["dataset"], r["question_id"]): r["token_ids"] for r in records
+            if r["method"] == BASELINE and r["temperature"] == 0}
+    for r in bad:
+        key = (r["dataset"], r["question_id"])
+        ids = target.encode_prompt(prompts[key].text)
+        r["equality"] = check(target, ids, refs[key], r["token_ids"], args.tie_tol)
+    with open(out / RESULTS, "w", encoding="utf-8") as f:
+        f.writelines(json.dumps(r) + "\n" for r in records)
+    return len(bad)
+
+
 def run_all(target, drafters, specs, prompts, encoded, temps, cost_model, args, path: Path) -> None:
     from tqdm import tqdm
 
@@ -305,7 +340,8 @@ def verdict(records) -> int:
           "decoding beyond a near-tie:", file=sys.stderr)
     for r in bad:
         e = r["equality"]
-        print(f"  {r['method']} on {r['dataset']}/{r['question_id']}: token {e['index']}, top-2 gap {e['gap']:.4g}",
+        print(f"  {r['method']} on {r['dataset']}/{r['question_id']}: token {e['index']}, top-2 gap {e['gap']:.4g}"
+              f" (plain decoding's steps: {e.get('step_gap', e['gap']):.4g})",
               file=sys.stderr)
     print(bar, file=sys.stderr)
     return 1
