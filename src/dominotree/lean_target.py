@@ -8,7 +8,8 @@ step, the model's configured attention function (the packed GQA one, its tree ma
 per step rather than per layer, or transformers' `sdpa` under `gqa=0`) and the model's
 DynamicCache, so `commit` and `rollback` work as before. Every output column comes from the same
 packed bf16 kernel as in the module path, so a step's logits and features are bit-identical to it
-(tests/test_lean_target.py); a step is ~1.4x faster here (docs/RESULTS.md, "Lean target path").
+(tests/test_lean_target.py); plain decoding is 1.31x faster per token here, DominoTree 1.22x
+(docs/RESULTS.md, "Lean target path").
 It takes about the same milliseconds off a one-token step and a tree verify, so it raises every
 method's tokens per second and lowers speedups over plain decoding.
 
@@ -81,6 +82,8 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 
 class LeanLlama:
+    """Fused packed weights of one Llama-layout model (built from its current weights; see lean_for)."""
+
     def __init__(self, model):
         self.model, self.key = model, state_key(model)
         c = model.config
@@ -127,7 +130,8 @@ class LeanLlama:
             held.keys = torch.cat([held.keys, k], -2)        # as DynamicCache.update does
             held.values = torch.cat([held.values, v], -2)
             if grouped:
-                out = grouped_sdpa(q, held.keys, held.values, gmask, w["attn"].scaling, mask_grouped=True).transpose(1, 2)
+                out = grouped_sdpa(q, held.keys, held.values, gmask, w["attn"].scaling,
+                                   mask_grouped=True).transpose(1, 2)
             else:
                 out, _ = attention(w["attn"], q, held.keys, held.values, mask, dropout=0.0, scaling=w["attn"].scaling)
             x = x + packed_linear(out.reshape(1, n, H * hd), w["o"])

@@ -263,7 +263,7 @@ def load_target(name_or_path: str = "smollm2-135m", dtype: str | torch.dtype | N
     `gqa` runs a CPU model with grouped key/value heads on the packed GQA attention
     (gqa_attention.py): the same logits, faster steps; `gqa=False` keeps transformers' `sdpa`.
     `lean` steps a packed Llama-layout model on its weights directly (lean_target.py): the same
-    logits, ~1.4x faster steps; `lean=False` keeps transformers' forward."""
+    logits, plain decoding ~1.3x faster; `lean=False` keeps transformers' forward."""
     path = resolve_target(name_or_path)
     if isinstance(dtype, str):
         dtype = DTYPES[dtype]

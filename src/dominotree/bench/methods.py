@@ -106,8 +106,8 @@ def parse_method(spec: str) -> MethodSpec:
             SpecConfig(method=name, **options)
         except TypeError as e:
             raise ValueError(f"bad option value in {spec!r}: {e}") from e
-    return MethodSpec(spec, name, options, drafter, **{k: switches[k] for k in ("gqa", "lean", "lean_target")},
-                      packed=switches["pack"])
+    return MethodSpec(spec, name, options, drafter, packed=switches["pack"], gqa=switches["gqa"],
+                      lean=switches["lean"], lean_target=switches["lean_target"])
 
 
 def expand_methods(methods: str | None, preset: str | None) -> list[MethodSpec]:
