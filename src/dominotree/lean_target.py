@@ -19,14 +19,13 @@ prefill has started. Everything else, prompts included, keeps transformers' forw
 """
 from __future__ import annotations
 
-from contextlib import contextmanager
-
 import torch
 import torch.nn.functional as F
 
 from .gqa_attention import NAME as GQA_NAME
 from .gqa_attention import grouped_mask, grouped_sdpa
-from .packed import MAX_PACKED_ROWS, PackedLinear, pack_weight, packed_linear, weight_key
+from .packed import (MAX_PACKED_ROWS, PackedLinear, kept_or_new, lean_off, pack_weight, packed_linear,
+                      weight_key)
 
 try:
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -149,20 +148,9 @@ class LeanLlama:
 def lean_for(model, kept: LeanLlama | None) -> LeanLlama | None:
     """The lean path for `model` as its weights and packing are now: `kept` if still current, a new
     one if the model can take it, else None."""
-    key = state_key(model)
-    if key is None:
-        return None
-    if kept is not None and kept.model is model and kept.key == key:
-        return kept
-    return LeanLlama(model)
+    return kept_or_new(kept, kept is not None and kept.model is model, state_key(model), lambda: LeanLlama(model))
 
 
-@contextmanager
 def transformers_forward(target):
-    """Temporarily step `target` on transformers' forward (the reference), e.g. for an A/B."""
-    before = target.use_lean
-    target.use_lean = False
-    try:
-        yield
-    finally:
-        target.use_lean = before
+    """Context manager: step `target` on transformers' forward (the reference), e.g. for an A/B."""
+    return lean_off(target)

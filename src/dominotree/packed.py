@@ -120,3 +120,25 @@ def packing(model: nn.Module, enabled: bool):
     finally:
         for m, b in zip(mods, before):
             m.packed_enabled = b
+
+
+def kept_or_new(kept, same_source: bool, key, build):
+    """The object of a lean path (drafters/lean.py, lean_target.py) for its source as it is now:
+    `kept` while it was built from the same source in the same state (`key`), else `build()`;
+    None where the source cannot take the path (`key` None)."""
+    if key is None:
+        return None
+    if kept is not None and same_source and kept.key == key:
+        return kept
+    return build()
+
+
+@contextmanager
+def lean_off(owner):
+    """Temporarily run `owner` (a drafter or a target) on its reference path (`use_lean` off)."""
+    before = owner.use_lean
+    owner.use_lean = False
+    try:
+        yield
+    finally:
+        owner.use_lean = before

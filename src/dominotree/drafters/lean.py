@@ -14,13 +14,12 @@ training, keeps DFlashBackbone's forward, which stays the reference.
 """
 from __future__ import annotations
 
-from contextlib import contextmanager
-
 import torch
 import torch.nn.functional as F
 
 from ..gqa_attention import grouped_sdpa
-from ..packed import MAX_PACKED_ROWS, PackedLinear, pack_weight, packed_linear, weight_key
+from ..packed import (MAX_PACKED_ROWS, PackedLinear, kept_or_new, lean_off, pack_weight, packed_linear,
+                       weight_key)
 from .dflash import DFlashBackbone, apply_rope, rms_norm, rope_cos_sin
 
 
@@ -112,20 +111,10 @@ class LeanBackbone:
 def lean_for(backbone: DFlashBackbone, kept: LeanBackbone | None) -> LeanBackbone | None:
     """The lean path for `backbone` as its weights and packing are now: `kept` if still current, a
     new one if the backbone can take it, else None."""
-    key = state_key(backbone)
-    if key is None:
-        return None
-    if kept is not None and kept.backbone is backbone and kept.key == key:
-        return kept
-    return LeanBackbone(backbone)
+    return kept_or_new(kept, kept is not None and kept.backbone is backbone, state_key(backbone),
+                       lambda: LeanBackbone(backbone))
 
 
-@contextmanager
 def module_path(drafter):
-    """Temporarily draft on the module path (the reference), e.g. for an interleaved A/B."""
-    before = drafter.use_lean
-    drafter.use_lean = False
-    try:
-        yield
-    finally:
-        drafter.use_lean = before
+    """Context manager: draft on the module path (the reference), e.g. for an interleaved A/B."""
+    return lean_off(drafter)
