@@ -4,7 +4,8 @@ import pytest
 import torch
 
 import dominotree as dt
-from conftest import random_drafter
+from conftest import make_tokenizer, random_drafter, tiny_config_kwargs
+from transformers import LlamaConfig, LlamaForCausalLM
 from dominotree import DraftTree
 from dominotree.bench.methods import parse_method
 from dominotree.gqa_attention import stock_attention
@@ -66,7 +67,19 @@ def test_lean_follows_the_attention_switch(bf16_target):
             assert torch.equal(a, b)
 
 
-def test_lean_stays_off_where_it_cannot_reproduce(bf16_target, tiny_target, tiny_llama_dir, tiny_qwen3_dir):
+def test_qwen3_steps_equal_transformers_bit_for_bit(tiny_qwen3_dir):
+    """Qwen3: the Llama layout plus per-head RMSNorms on queries and keys before the rotary."""
+    t = dt.load_target(str(tiny_qwen3_dir), dtype=torch.bfloat16)
+    assert t.lean and t.model.model.layers[0].self_attn.q_norm is not None
+    with torch.no_grad():   # non-trivial head norms, so that leaving them out would show
+        for layer in t.model.model.layers:
+            layer.self_attn.q_norm.weight.uniform_(0.5, 1.5)
+            layer.self_attn.k_norm.weight.uniform_(0.5, 1.5)
+    for a, b in zip(steps(t, True), steps(t, False)):
+        assert torch.equal(a, b)
+
+
+def test_lean_stays_off_where_it_cannot_reproduce(bf16_target, tiny_target, tiny_llama_dir, tmp_path):
     assert not tiny_target.lean                        # float32: no packed kernels to share
     with packing(bf16_target.model, False):
         assert not bf16_target.lean
@@ -75,9 +88,14 @@ def test_lean_stays_off_where_it_cannot_reproduce(bf16_target, tiny_target, tiny
     with transformers_forward(bf16_target):
         assert not bf16_target.lean
     assert bf16_target.lean
-    qwen3 = dt.load_target(str(tiny_qwen3_dir), dtype=torch.bfloat16)
-    assert qwen3.packed and not qwen3.lean              # q/k norms: not the Llama layout
     assert not dt.load_target(str(tiny_llama_dir), dtype=torch.bfloat16, pack=False).lean
+    torch.manual_seed(0)                                 # biases: not the Llama layout this path runs
+    biased = LlamaForCausalLM(LlamaConfig(**tiny_config_kwargs(), attention_bias=True))
+    biased.save_pretrained(tmp_path / "biased")
+    make_tokenizer().save_pretrained(tmp_path / "biased")
+    biased = dt.load_target(str(tmp_path / "biased"), dtype=torch.bfloat16)
+    assert biased.packed and not biased.lean
+    assert steps(biased, True)[0].shape == (len(TREE), biased.vocab_size)   # on transformers' forward
 
 
 def test_lean_is_rebuilt_when_a_weight_changes(tiny_llama_dir):

@@ -1,4 +1,4 @@
-"""The target's CPU step path: a Llama decoder run directly on its weights, the same numbers.
+"""The target's CPU step path: a Llama or Qwen3 decoder run directly on its weights, the same numbers.
 
 A one-token step of the embedded 135M target spends about a third of its time outside its
 kernels: per layer seven linear calls, two RMSNorms of eight small ops, the cache update and the
@@ -13,9 +13,10 @@ packed bf16 kernel as in the module path, so a step's logits and features are bi
 It takes about the same milliseconds off a one-token step and a tree verify, so it raises every
 method's tokens per second and lowers speedups over plain decoding.
 
-It serves only what it reproduces exactly: Llama-layout models (no biases, SiLU MLP) whose linears
-are packed and enabled (packed.py), on steps of at most MAX_PACKED_ROWS tokens onto a cache the
-prefill has started. Everything else, prompts included, keeps transformers' forward: the reference.
+It serves only what it reproduces exactly: Llama-layout models (no biases, SiLU MLP; Qwen3's
+per-head q/k norms too, without sliding windows) whose linears are packed and enabled (packed.py),
+on steps of at most MAX_PACKED_ROWS tokens onto a cache the prefill has started. Everything else,
+prompts included, keeps transformers' forward: the reference.
 """
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ try:
 except ImportError:   # a transformers without the attention registry: the lean path stays off
     ALL_ATTENTION_FUNCTIONS = None
 
-LAYOUT = ("llama",)   # model types whose decoder this file reproduces
+LAYOUT = ("llama", "qwen3")   # model types whose decoder this file reproduces
 
 
 def _linears(model) -> list[torch.nn.Module]:
@@ -48,7 +49,8 @@ def supported(model) -> bool:
     return (ALL_ATTENTION_FUNCTIONS is not None and getattr(c, "model_type", None) in LAYOUT
             and not getattr(c, "attention_bias", False) and not getattr(c, "mlp_bias", False)
             and getattr(c, "hidden_act", None) == "silu" and getattr(c, "pretraining_tp", 1) == 1
-            and hasattr(model, "model") and hasattr(model.model, "rotary_emb"))
+            and hasattr(model, "model") and hasattr(model.model, "rotary_emb")
+            and all(getattr(layer.self_attn, "sliding_window", None) is None for layer in model.model.layers))
 
 
 def state_key(model) -> tuple | None:
@@ -60,8 +62,14 @@ def state_key(model) -> tuple | None:
                and m.weight.device.type == "cpu" for m in linears):
         return None
     norms = [w for layer in model.model.layers
-             for w in (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)]
+             for w in (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+             + tuple(n.weight for n in _head_norms(layer.self_attn) if n is not None)]
     return tuple(weight_key(w) for w in [m.weight for m in linears] + norms + [model.model.norm.weight])
+
+
+def _head_norms(attn) -> tuple:
+    """Qwen3's per-head RMSNorms on queries and keys (None, None for Llama)."""
+    return getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
 
 
 def _pack(*linears) -> torch.Tensor:
@@ -81,7 +89,8 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 
 class LeanLlama:
-    """Fused packed weights of one Llama-layout model (built from its current weights; see lean_for)."""
+    """Fused packed weights of one Llama-layout (or Qwen3) model, built from its current weights (see
+    lean_for)."""
 
     def __init__(self, model):
         self.model, self.key = model, state_key(model)
@@ -98,6 +107,7 @@ class LeanLlama:
                 "gate_up": _pack(m.gate_proj, m.up_proj), "down": _pack(m.down_proj),
                 "norm1": layer.input_layernorm.weight.detach(),
                 "norm2": layer.post_attention_layernorm.weight.detach(),
+                "head_norms": tuple(None if m is None else m.weight.detach() for m in _head_norms(a)),
             })
 
     def applies(self, cache, n: int, mask) -> bool:
@@ -123,8 +133,11 @@ class LeanLlama:
         wanted, feats = set(taps), {}
         for i, (w, held) in enumerate(zip(self.layers, cache.layers)):
             qkv = packed_linear(rms_norm(x, w["norm1"], self.eps), w["qkv"])
-            q = rotate(qkv[..., :H * hd].view(1, n, H, hd).transpose(1, 2), cos, sin)
-            k = rotate(qkv[..., H * hd:(H + Hkv) * hd].view(1, n, Hkv, hd).transpose(1, 2), cos, sin)
+            q, k = qkv[..., :H * hd].view(1, n, H, hd), qkv[..., H * hd:(H + Hkv) * hd].view(1, n, Hkv, hd)
+            q_norm, k_norm = w["head_norms"]
+            if q_norm is not None:
+                q, k = rms_norm(q, q_norm, self.eps), rms_norm(k, k_norm, self.eps)
+            q, k = rotate(q.transpose(1, 2), cos, sin), rotate(k.transpose(1, 2), cos, sin)
             v = qkv[..., (H + Hkv) * hd:].view(1, n, Hkv, hd).transpose(1, 2)
             held.keys = torch.cat([held.keys, k], -2)        # as DynamicCache.update does
             held.values = torch.cat([held.values, v], -2)

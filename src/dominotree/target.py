@@ -1,5 +1,5 @@
 """TargetModel: any Hugging Face causal LM, driven through its public forward (a packed
-Llama-layout model steps on lean_target.py instead: the same numbers, fewer calls).
+Llama or Qwen3 model steps on lean_target.py instead: the same numbers, fewer calls).
 
 The cache holds every committed token except the newest one (the *root*). A round feeds the
 root plus a flattened draft tree in one pass (position = start + depth, 4-D ancestor mask),
@@ -262,7 +262,7 @@ def load_target(name_or_path: str = "smollm2-135m", dtype: str | torch.dtype | N
     faster steps; a no-op for other dtypes and devices. `pack=False` keeps the plain modules.
     `gqa` runs a CPU model with grouped key/value heads on the packed GQA attention
     (gqa_attention.py): the same logits, faster steps; `gqa=False` keeps transformers' `sdpa`.
-    `lean` steps a packed Llama-layout model on its weights directly (lean_target.py): the same
+    `lean` steps a packed Llama or Qwen3 model on its weights directly (lean_target.py): the same
     logits, plain decoding ~1.3x faster; `lean=False` keeps transformers' forward."""
     path = resolve_target(name_or_path)
     if isinstance(dtype, str):
