@@ -92,8 +92,8 @@ class LeanLlama:
     """Fused packed weights of one Llama-layout (or Qwen3) model, built from its current weights (see
     lean_for)."""
 
-    def __init__(self, model):
-        self.model, self.key = model, state_key(model)
+    def __init__(self, model, key: tuple):
+        self.model, self.key = model, key      # key: state_key(model) as the weights were read
         c = model.config
         self.heads, self.kv_heads = c.num_attention_heads, c.num_key_value_heads
         self.head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
@@ -112,10 +112,10 @@ class LeanLlama:
 
     def applies(self, cache, n: int, mask) -> bool:
         """Whether this step can run here: a short step (a single token, or a masked tree) onto a
-        cache whose every layer holds the prompt."""
+        cache the prefill has filled (it fills every layer at once)."""
+        first = cache.layers[0] if len(cache.layers) == len(self.layers) else None
         return (n <= MAX_PACKED_ROWS and (n == 1 or mask is not None)
-                and len(cache.layers) == len(self.layers)
-                and all(getattr(layer, "keys", None) is not None and layer.keys.numel() for layer in cache.layers))
+                and getattr(first, "keys", None) is not None and first.keys.numel() > 0)
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, mask, cache, taps: list[int]):
         """ids [n] at positions [n] onto `cache`, mask [1, 1, n, L] additive (None for one token).
@@ -161,7 +161,7 @@ class LeanLlama:
 def lean_for(model, kept: LeanLlama | None) -> LeanLlama | None:
     """The lean path for `model` as its weights and packing are now: `kept` if still current, a new
     one if the model can take it, else None."""
-    return kept_or_new(kept, kept is not None and kept.model is model, state_key(model), lambda: LeanLlama(model))
+    return kept_or_new(kept, kept is not None and kept.model is model, state_key(model), lambda key: LeanLlama(model, key))
 
 
 def transformers_forward(target):

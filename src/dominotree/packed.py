@@ -124,13 +124,13 @@ def packing(model: nn.Module, enabled: bool):
 
 def kept_or_new(kept, same_source: bool, key, build):
     """The object of a lean path (drafters/lean.py, lean_target.py) for its source as it is now:
-    `kept` while it was built from the same source in the same state (`key`), else `build()`;
+    `kept` while it was built from the same source in the same state (`key`), else `build(key)`;
     None where the source cannot take the path (`key` None)."""
     if key is None:
         return None
     if kept is not None and same_source and kept.key == key:
         return kept
-    return build()
+    return build(key)
 
 
 @contextmanager

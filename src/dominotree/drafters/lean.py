@@ -43,10 +43,10 @@ def state_key(backbone: DFlashBackbone) -> tuple | None:
 
 
 class LeanBackbone:
-    def __init__(self, backbone: DFlashBackbone):
+    def __init__(self, backbone: DFlashBackbone, key: tuple):
         c = self.config = backbone.config
         self.backbone = backbone
-        self.key = state_key(backbone)
+        self.key = key
         self.layers = []
         for layer in backbone.layers:
             a, m = layer.self_attn, layer.mlp
@@ -112,7 +112,7 @@ def lean_for(backbone: DFlashBackbone, kept: LeanBackbone | None) -> LeanBackbon
     """The lean path for `backbone` as its weights and packing are now: `kept` if still current, a
     new one if the backbone can take it, else None."""
     return kept_or_new(kept, kept is not None and kept.backbone is backbone, state_key(backbone),
-                       lambda: LeanBackbone(backbone))
+                       lambda key: LeanBackbone(backbone, key))
 
 
 def module_path(drafter):
