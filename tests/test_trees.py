@@ -217,7 +217,7 @@ def test_gru_input_table_rows_are_the_product_whatever_the_order_and_follow_the_
     a, b = GruInputs(embed, w_ih, block=32), GruInputs(embed, w_ih, block=32)
     first = a.rows([99, 5, 64, 5])                        # 99: the last, shorter block
     assert torch.allclose(first, want[[99, 5, 64, 5]], atol=1e-5)
-    assert a.ready == {0, 2, 3}                            # only the blocks asked for
+    assert a.ready_blocks() == {0, 2, 3}                            # only the blocks asked for
     for t in range(100):                                   # same values whichever tokens came first
         b.rows([t])
     assert torch.equal(a.rows([5, 64, 99, 31]), b.rows([5, 64, 99, 31]))
@@ -241,7 +241,7 @@ def test_warming_the_gru_table_fills_the_blocks_of_the_tokens_once():
     W, e = HeadWeights(random_problem(0)[0]), torch.randn(100, 64, generator=g)
     ids = torch.tensor([3, 40, 41, 99])
     W.warm(e, ids)
-    assert W.inputs.ready == {0, 1, 3}
+    assert W.inputs.ready_blocks() == {0, 1, 3}
     assert torch.equal(W.input_rows(e, [41, 3, 99]), GruInputs(e, W.w_ih).rows([41, 3, 99]))
     calls = []
     W.inputs.fill = lambda tokens: calls.append(tokens)

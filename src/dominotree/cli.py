@@ -133,7 +133,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--budget", type=int, default=16)
     g.add_argument("--node-topk", type=int, default=8)
     g.add_argument("--corr-topm", type=int, default=64, help="<= 0: the whole vocabulary")
-    g.add_argument("--builder", default="fast", choices=["fast", "reference"])
+    g.add_argument("--builder", default="native", choices=["native", "fast", "reference"],
+                   help="DominoTree tree builder: native (C++, compiled on first use; the Python fast "
+                        "builder where it cannot be), fast (Python) or reference (identical trees)")
     g.add_argument("--cost-model", default=None, help="JSON from `dominotree profile`")
     g.add_argument("--lookup", type=int, default=0,
                    help="merge a prompt-lookup branch of up to N tokens into each tree (0: off)")

@@ -26,7 +26,7 @@ class SpecConfig:
     corr_topm: int | None = 64         # DominoTree candidates per depth (None: whole vocabulary)
     normalization: str = "topm"        # "topm" (published) or "exact"
     conditioning: str = "path"         # DominoTree ladder: "path" | "greedy" (correction once per depth)
-    builder: str = "fast"              # "fast" or "reference" tree builder
+    builder: str = "native"            # "native" (C++; "fast" where it cannot run), "fast" or "reference"
     cost_model: str | None = None      # JSON from `dominotree profile` (caddtree, condadaptive)
     max_budget: int = 64               # cap for the adaptive methods
     lookup: int = 0                    # prompt-lookup branch of up to this many tokens per tree (0: off)
@@ -61,8 +61,8 @@ class SpecConfig:
             raise ValueError(f"normalization must be 'topm' or 'exact', got {self.normalization!r}")
         if self.conditioning not in ("path", "greedy"):
             raise ValueError(f"conditioning must be 'path' or 'greedy', got {self.conditioning!r}")
-        if self.builder not in ("fast", "reference"):
-            raise ValueError(f"builder must be 'fast' or 'reference', got {self.builder!r}")
+        if self.builder not in ("native", "fast", "reference"):
+            raise ValueError(f"builder must be 'native', 'fast' or 'reference', got {self.builder!r}")
         if not isinstance(self.lookup, int) or self.lookup < 0:
             raise ValueError(f"lookup must be an integer >= 0, got {self.lookup!r}")
         if self.lookup and self.method == "ar":

@@ -1,8 +1,8 @@
-"""Tree build time per round, reference vs fast builder, on the same recorded drafts.
+"""Tree build time per round, reference vs fast vs native builder, on the same recorded drafts.
 
-Drafts are recorded from real DominoTree rounds on benchmark prompts; then both builders run on
-each recorded draft, interleaved (reference, fast, fast, reference, ...), and must return the
-identical tree. Reports medians and the ratio (`dominotree bench --build-time`); a DominoTree spec
+Drafts are recorded from real DominoTree rounds on benchmark prompts; then the builders run on
+each recorded draft, interleaved (the order rotates each repeat), and must return the identical
+tree (the native one, when it is not compiled here, is left out). Reports medians and the ratio (`dominotree bench --build-time`); a DominoTree spec
 in `--methods` (e.g. `dominotree:budget=8,draft_vocab=8192`) sets the rounds' options, so the
 builders are timed on the configuration a benchmark runs."""
 from __future__ import annotations
@@ -12,6 +12,7 @@ import time
 
 import torch
 
+from ..trees import native
 from ..trees.fast import HeadWeights, build_dominotree_fast
 from ..trees.dominotree import build_dominotree
 
@@ -41,25 +42,32 @@ def time_builders(target, drafter, drafts, budget=16, node_topk=8, corr_topm=64,
     weights = HeadWeights(head)
     embed = target.model.get_input_embeddings().weight
     kw = dict(node_topk=node_topk, corr_topm=corr_topm, prefix_len=drafter.prefix_len)
-    ref_ms, fast_ms = [], []
+    builders = {"reference": build_dominotree,
+                "fast": lambda *a, **k: build_dominotree_fast(*a, weights=weights, **k)}
+    if native.load():
+        builders["native"] = lambda *a, **k: native.build_dominotree_native(*a, weights=weights, **k)
+    times = {name: [] for name in builders}
+    names = list(builders)
     for draft, root in drafts:
         logits, ids = draft.scores()   # compact rows when the rounds drafted over a draft vocabulary
         if ids is not None:
             weights.warm(embed, ids)   # as the engine does once per request
         trees = {}
         for order in range(repeats):
-            for name in (("reference", "fast") if order % 2 == 0 else ("fast", "reference")):
+            for name in names[order % len(names):] + names[:order % len(names)]:
                 t0 = time.perf_counter()
                 with torch.inference_mode():
-                    if name == "fast":
-                        tree = build_dominotree_fast(logits, draft.hidden, head, embed, root, budget,
-                                                     vocab_ids=ids, weights=weights, **kw)
-                    else:
-                        tree = build_dominotree(logits, draft.hidden, head, embed, root, budget, vocab_ids=ids, **kw)
-                (fast_ms if name == "fast" else ref_ms).append((time.perf_counter() - t0) * 1e3)
+                    tree = builders[name](logits, draft.hidden, head, embed, root, budget, vocab_ids=ids, **kw)
+                times[name].append((time.perf_counter() - t0) * 1e3)
                 trees[name] = tree
-        a, b = trees["reference"], trees["fast"]
-        if not (torch.equal(a.tokens, b.tokens) and torch.equal(a.parents, b.parents)):
-            raise AssertionError("fast builder returned a different tree than the reference")
-    ref, fast = statistics.median(ref_ms), statistics.median(fast_ms)
-    return {"rounds": len(drafts), "budget": budget, "reference_ms": ref, "fast_ms": fast, "speedup": ref / fast}
+        a = trees["reference"]
+        for name, b in trees.items():
+            if not (torch.equal(a.tokens, b.tokens) and torch.equal(a.parents, b.parents)):
+                raise AssertionError(f"the {name} builder returned a different tree than the reference")
+    med = {f"{name}_ms": statistics.median(ts) for name, ts in times.items()}
+    out = {"rounds": len(drafts), "budget": budget, **med, "speedup": med["reference_ms"] / med["fast_ms"]}
+    if "native_ms" in med:
+        out["native_speedup"] = med["reference_ms"] / med["native_ms"]
+    else:
+        out["native"] = native.status()
+    return out

@@ -77,6 +77,8 @@ def markdown(rows: list[dict], records: list[dict], info: dict) -> str:
             lines.append(f"- {k.replace('_', ' ')}: `{info[k]}`")
     if info.get("machine"):
         lines.append(f"- machine: {describe(info['machine'])}")
+    if info.get("tree_builder"):
+        lines.append(f"- DominoTree builder (unless a method's `builder=` says otherwise): {info['tree_builder']}")
     lines += ["", f"Speedup: mean over prompts of the paired ratio ({BASELINE} time per token) / (method time per "
               "token), with a 95% bootstrap CI; ratio of means: mean ar time per token / mean method time per "
               f"token. p: two-sided Wilcoxon signed-rank test on per-prompt time per token against "

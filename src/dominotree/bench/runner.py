@@ -16,6 +16,7 @@ from pathlib import Path
 from ..drafters.lean import module_path
 from ..gqa_attention import stock_attention
 from ..lean_target import transformers_forward
+from ..trees.native import status as native_status
 from ..machine import machine_info
 from ..packed import packing
 from .datasets import DATASETS, DEFAULT_DATASETS, Prompt, load_dataset
@@ -65,7 +66,7 @@ def add_bench_parser(sub) -> None:
                    help="with --report-only: run the equality check again on the outputs it had found diverged "
                         "(loads the run's target; for runs checked before its second opinion, see bench/equality.py)")
     b.add_argument("--build-time", action="store_true",
-                   help="instead: DominoTree build ms per round, reference vs fast builder, on drafts recorded "
+                   help="instead: DominoTree build ms per round, reference vs fast vs native builder, on drafts recorded "
                         "from real rounds (identical trees checked); writes DIR/build_time.json")
     b.add_argument("--prompts-file", default=None, help=argparse.SUPPRESS)   # JSONL of {text, ...} (tests)
     b.set_defaults(func=main)
@@ -105,6 +106,7 @@ def main(args) -> int:
     info = {"command": command_line(args), "model": args.model, "packed": target.packed,
             "gqa_attention": target.gqa_attention, "lean_target": target.lean,
             "lean_drafters": sorted(k for k, d in drafters.items() if d.lean() is not None),
+            "tree_builder": native_status() if "domino" in drafters else None,
             "cost_model": cost_model, "tie_tol": args.tie_tol, "reference": args.reference, "machine": machine_info(),
             **{f"{k}_drafter": names[k] for k in drafters}}
     (out / RUN_INFO).write_text(json.dumps(info, indent=1) + "\n")
@@ -129,8 +131,11 @@ def build_time(args, target, prompts, options: dict) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "build_time.json").write_text(json.dumps(res, indent=1) + "\n")
+    native_part = (f", native {res['native_ms']:.2f} ms ({res['native_speedup']:.2f}x)" if "native_ms" in res
+                   else f" (native: {res['native']})")
     print(f"DominoTree build per round over {res['rounds']} recorded rounds (budget {res['budget']}): reference "
-          f"{res['reference_ms']:.2f} ms, fast {res['fast_ms']:.2f} ms ({res['speedup']:.2f}x), identical trees")
+          f"{res['reference_ms']:.2f} ms, fast {res['fast_ms']:.2f} ms ({res['speedup']:.2f}x){native_part}, "
+          "identical trees")
     return 0
 
 

@@ -11,6 +11,9 @@ from .chain import dflash_chain, domino_chain
 from .ddtree import build_ddtree
 from .dominotree import build_dominotree, path_probability_stop
 from .fast import build_dominotree_fast
+from .native import build_dominotree_native
+
+TREE_BUILDERS = {"native": build_dominotree_native, "fast": build_dominotree_fast, "reference": build_dominotree}
 
 DEFAULT_COST_MODEL = "cost_model.json"
 
@@ -52,8 +55,8 @@ def make_builder(cfg: SpecConfig, target, drafter):
         head32 = drafter.float_head()   # builders score in float32
         weights = drafter.tree_weights()
         embed_w = target.model.get_input_embeddings().weight
-        tree_fn = build_dominotree_fast if cfg.builder == "fast" else build_dominotree
-        if cfg.draft_vocab and tree_fn is build_dominotree_fast:
+        tree_fn = TREE_BUILDERS[cfg.builder]
+        if cfg.draft_vocab and tree_fn is not build_dominotree:
             from ..draft_vocab import draft_vocab_for
             weights.warm(embed_w, draft_vocab_for(target, cfg.draft_vocab, cfg.draft_vocab_source).ids)
 
@@ -73,7 +76,7 @@ def make_builder(cfg: SpecConfig, target, drafter):
         stop, budget = None, cfg.budget
         if method == "condadaptive":
             stop, budget = path_probability_stop(cost, start), cfg.max_budget
-        extra = {"weights": weights} if tree_fn is build_dominotree_fast else {}
+        extra = {"weights": weights} if tree_fn is not build_dominotree else {}
         tree = tree_fn(logits, draft.hidden, head32, embed_w, root, budget, vocab_ids=ids,
                        node_topk=cfg.node_topk, corr_topm=cfg.corr_topm, normalization=cfg.normalization,
                        prefix_len=drafter.prefix_len, max_depth=depth, stop=stop,

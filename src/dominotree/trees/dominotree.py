@@ -144,18 +144,32 @@ def build_dominotree(base_logits: torch.Tensor, hidden: torch.Tensor, head, embe
                      torch.tensor(scores, dtype=torch.float32))
 
 
-def path_probability_stop(cost_model, context_len: int) -> Callable[[int, float], bool]:
+class ThroughputStop:
     """CaDDTree's throughput rule as a stop predicate: stop before the first candidate whose
     acceptance would not raise theta(n) = (1 + phi(n)) / (C_draft + C_verify(n, ctx))."""
-    state = {"phi": 0.0, "theta": 1.0 / (cost_model.c_draft + cost_model.c_verify(0, context_len))}
 
-    def stop(n: int, score: float) -> bool:
+    def __init__(self, cost_model, context_len: int):
+        self.cost_model, self.context_len = cost_model, context_len
+        self.phi = 0.0
+        self.theta = 1.0 / self.round_cost(0)
+
+    def round_cost(self, n: int) -> float:
+        return self.cost_model.c_draft + self.cost_model.c_verify(n, self.context_len)
+
+    def costs(self, max_nodes: int) -> list[float]:
+        """round_cost(n) for n = 0 .. max_nodes (the table the native builder applies the rule with)."""
+        return [self.round_cost(n) for n in range(max_nodes + 1)]
+
+    def __call__(self, n: int, score: float) -> bool:
         delta = math.exp(score)
-        theta = (1.0 + state["phi"] + delta) / (cost_model.c_draft + cost_model.c_verify(n + 1, context_len))
-        if theta <= state["theta"]:
+        theta = (1.0 + self.phi + delta) / self.round_cost(n + 1)
+        if theta <= self.theta:
             return True
-        state["phi"] += delta
-        state["theta"] = theta
+        self.phi += delta
+        self.theta = theta
         return False
 
-    return stop
+
+def path_probability_stop(cost_model, context_len: int) -> ThroughputStop:
+    """A fresh stop predicate for one tree (it keeps the tree's running phi and theta)."""
+    return ThroughputStop(cost_model, context_len)

@@ -41,7 +41,9 @@ class GruInputs:
         # from outside one (an inference tensor refuses in-place writes there)
         with torch.inference_mode(False):
             self.table = torch.empty(embed.shape[0], w_ih.shape[0])   # pages are committed as rows are written
-        self.ready: set[int] = set()
+            # computed blocks; a uint8 tensor so the native builder (trees/native.py) reads and sets it too
+            self.ready = torch.zeros(-(-embed.shape[0] // block), dtype=torch.uint8)
+        self._ready = self.ready.numpy()
         self.warmed: set[tuple] = set()   # token sets HeadWeights.warm filled
         self.roots: dict[int, torch.Tensor] = {}   # root token -> its tree node row (the builder's cache)
         self.versions = (embed._version, w_ih._version)
@@ -51,13 +53,18 @@ class GruInputs:
         return (embed is self.embed and w_ih.data_ptr() == self.w_ih.data_ptr()
                 and (embed._version, w_ih._version) == self.versions)
 
+    def ready_blocks(self) -> set[int]:
+        return set(torch.nonzero(self.ready).flatten().tolist())
+
     def fill(self, tokens: list[int]) -> None:
         """Compute the blocks that hold `tokens` and are not computed yet."""
-        for b in sorted({t // self.block for t in tokens} - self.ready):
+        for b in sorted({t // self.block for t in tokens}):
+            if self._ready[b]:
+                continue
             lo, hi = b * self.block, min((b + 1) * self.block, self.embed.shape[0])
             with torch.no_grad():   # entered per computed block, not per rows() call (the hot path)
                 self.table[lo:hi] = F.linear(self.embed[lo:hi].float(), self.w_ih)
-            self.ready.add(b)
+            self._ready[b] = 1
 
     def rows(self, tokens: list[int]) -> torch.Tensor:
         """[len(tokens), 3G]."""
