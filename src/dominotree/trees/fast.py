@@ -124,6 +124,21 @@ def gru_from_halves(gi: torch.Tensor, gh: torch.Tensor, state: torch.Tensor) -> 
     return torch.lerp(n, state, rz[:, G:])
 
 
+def kept_root_row(W: HeadWeights, embed, root_token: int) -> torch.Tensor:
+    """The root's node row [W1_s s | W_hh s | s]: a function of its token alone (zero state before
+    it), so kept with the input table across rounds."""
+    roots = W.root_rows(embed)
+    row = roots.get(root_token)
+    if row is None:
+        G = W.w_hh.shape[1]
+        state = gru_from_halves(W.input_rows(embed, [root_token]), torch.zeros(1, 3 * G), torch.zeros(1, G))
+        row = torch.cat([F.linear(state, W.s_proj), state], 1)[0]
+        if len(roots) >= 4096:
+            roots.clear()
+        roots[root_token] = row
+    return row
+
+
 def build_dominotree_fast(base_logits: torch.Tensor, hidden: torch.Tensor, head, embed, root_token: int,
                           budget: int, node_topk: int = 8, corr_topm: int | None = 64,
                           normalization: str = "topm", prefix_len: int = 1, max_depth: int | None = None,
@@ -204,15 +219,7 @@ def build_dominotree_fast(base_logits: torch.Tensor, hidden: torch.Tensor, head,
             out[rows[j]] = (t, v)
         return out
 
-    # The root's row is a function of its token alone (zero state): kept with the input table
-    roots = W.root_rows(embed)
-    root_row = roots.get(root_token)
-    if root_row is None:
-        root_row = node_rows(gru_from_halves(W.input_rows(embed, [root_token]), torch.zeros(1, 3 * G),
-                                             torch.zeros(1, G)))[0]
-        if len(roots) >= 4096:
-            roots.clear()
-        roots[root_token] = root_row
+    root_row = kept_root_row(W, embed, root_token)
     tokens, parents, depths, scores = [root_token], [-1], [0], [0.0]
     rows_of: list[torch.Tensor | None] = [root_row]     # each tree node's row (None: no children possible)
     cache: dict[int, tuple] = {}           # heap entry id -> (node row, children)

@@ -23,9 +23,10 @@ import torch
 
 from ..tree import DraftTree
 from ..dominotree import ThroughputStop, depth_candidates, vocabulary_wide
-from ..fast import HeadWeights, build_dominotree_fast
+from ..fast import HeadWeights, build_dominotree_fast, kept_root_row
 
 SOURCE = Path(__file__).with_name("dominotree_builder.cpp")
+NATIVE_LOOKAHEAD = 4
 _state: dict = {"loaded": None, "error": None}    # loaded: None = not tried, True / False
 
 
@@ -76,11 +77,16 @@ def build_dominotree_native(base_logits: torch.Tensor, hidden: torch.Tensor, hea
                             budget: int, node_topk: int = 8, corr_topm: int | None = 64,
                             normalization: str = "topm", prefix_len: int = 1, max_depth: int | None = None,
                             stop=None, conditioning: str = "path", weights: HeadWeights | None = None,
-                            lookahead: int = 32, vocab_ids: torch.Tensor | None = None) -> DraftTree:
-    """build_dominotree_fast's tree (same arguments), built in C++ where it can be."""
+                            lookahead: int | None = None, vocab_ids: torch.Tensor | None = None) -> DraftTree:
+    """build_dominotree_fast's tree (same arguments), built in C++ where it can be. `lookahead`
+    (entries expanded per batch; None: each builder's default) is 4 here against the Python
+    builder's 32: a batch costs ~4x less here, so expanding fewer entries that are never popped pays
+    (budget 8: 0.48 against 0.54 ms per tree; 16: 0.79 against 0.86). The tree is the same for
+    every lookahead."""
     kwargs = dict(node_topk=node_topk, corr_topm=corr_topm, normalization=normalization, prefix_len=prefix_len,
-                  max_depth=max_depth, stop=stop, conditioning=conditioning, weights=weights,
-                  lookahead=lookahead, vocab_ids=vocab_ids)
+                  max_depth=max_depth, stop=stop, conditioning=conditioning, weights=weights, vocab_ids=vocab_ids)
+    if lookahead is not None:
+        kwargs["lookahead"] = lookahead
     if base_logits.is_cuda or not covers(normalization, conditioning, corr_topm, node_topk,
                                          base_logits.shape[-1], embed, stop) or not load():
         return build_dominotree_fast(base_logits, hidden, head, embed, root_token, budget, **kwargs)
@@ -94,6 +100,6 @@ def build_dominotree_native(base_logits: torch.Tensor, hidden: torch.Tensor, hea
     costs = torch.tensor(stop.costs(budget + 1) if stop is not None else [], dtype=torch.float64)
     tokens, parents, depths, scores = torch.ops.dominotree_native.build_dominotree(
         base_logits, hidden, cands, cand_logits, W.w1_h, W.s_proj, W.w2, table.table, table.ready, embed,
-        W.w_ih, table.block, int(root_token), int(budget), int(node_topk), int(prefix_len), int(D),
-        int(lookahead), costs)
+        W.w_ih, table.block, kept_root_row(W, embed, root_token), int(root_token), int(budget), int(node_topk), int(prefix_len), int(D),
+        NATIVE_LOOKAHEAD if lookahead is None else int(lookahead), costs)
     return DraftTree(tokens, parents, depths, scores)

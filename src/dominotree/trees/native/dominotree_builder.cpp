@@ -117,11 +117,6 @@ class Builder {
   // fast.node_rows: [W1_s s | W_hh s | s]
   Tensor node_rows(const Tensor& states) { return at::cat({at::linear(states, s_proj_), states}, 1); }
 
-  Tensor root_row(int64_t root) {
-    Tensor zeros_gh = at::zeros({1, 3 * G_}), zeros_s = at::zeros({1, G_});
-    return node_rows(gru(input_rows({root}), zeros_gh, zeros_s))[0];
-  }
-
   // fast.expand: children at the given child depths of parents whose W1_s s rows are zs
   std::vector<Kids> expand(const Tensor& zs, const std::vector<int64_t>& child_depths) {
     std::vector<Kids> out(child_depths.size());
@@ -176,7 +171,7 @@ class Builder {
 std::tuple<Tensor, Tensor, Tensor, Tensor> build(
     const Tensor& base_logits, const Tensor& hidden, const Tensor& cands, const Tensor& cand_logits,
     const Tensor& w1_h, const Tensor& s_proj, const Tensor& w2, const Tensor& table, const Tensor& ready,
-    const Tensor& embed, const Tensor& w_ih, int64_t block, int64_t root_token, int64_t budget,
+    const Tensor& embed, const Tensor& w_ih, int64_t block, const Tensor& root_row, int64_t root_token, int64_t budget,
     int64_t node_topk, int64_t prefix_len, int64_t depth_limit, int64_t lookahead, const Tensor& stop_cost) {
   at::NoGradGuard no_grad;
   TORCH_CHECK(base_logits.dim() == 2 && cands.dim() == 2 && cand_logits.sizes() == cands.sizes(),
@@ -197,7 +192,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> build(
 
   std::vector<int64_t> tokens{root_token}, parents{-1}, depths{0};
   std::vector<double> scores{0.0};
-  std::vector<Tensor> rows_of{b.root_row(root_token)};   // undefined: the node has no children
+  std::vector<Tensor> rows_of{root_row};   // undefined: the node has no children
   std::unordered_map<int64_t, std::pair<Tensor, Kids>> cache;   // heap entry id -> (row, children)
   std::vector<Entry> heap;
   int64_t counter = 0;
@@ -266,7 +261,7 @@ TORCH_LIBRARY(dominotree_native, m) {
   m.def(
       "build_dominotree(Tensor base_logits, Tensor hidden, Tensor cands, Tensor cand_logits, Tensor w1_h, "
         "Tensor s_proj, Tensor w2, Tensor table, Tensor ready, Tensor embed, Tensor w_ih, int block, "
-        "int root_token, int budget, int node_topk, int prefix_len, int depth_limit, int lookahead, "
+        "Tensor root_row, int root_token, int budget, int node_topk, int prefix_len, int depth_limit, int lookahead, "
         "Tensor stop_cost) -> (Tensor, Tensor, Tensor, Tensor)",
       &build);
 }
