@@ -132,6 +132,27 @@ def test_a_full_forward_gap_over_the_tolerance_gets_a_second_opinion(tiny_target
     assert cli_main(["bench", "--recheck", "--out", "x"]) == 2         # only with --report-only
 
 
+def test_a_gap_over_the_tolerance_in_the_steps_too_gets_the_verifies_opinion(tiny_target, monkeypatch):
+    import dominotree as dt
+    prompt = [1, 5, 6, 7, 8]
+    ar = dt.generate(tiny_target, None, prompt, method="ar", max_new_tokens=20).token_ids
+    i = 17
+    chains = equality.chain_gap(tiny_target, prompt, ar[:i])
+    assert chains == pytest.approx(equality.step_gap(tiny_target, prompt, ar[:i]), abs=1e-3)   # float32: agree
+    other = ar[:i] + [(ar[i] + 1) % 90]
+    calls = []
+    real_chain_gap = equality.chain_gap
+    monkeypatch.setattr(equality, "chain_gap", lambda *a: calls.append(a[2]) or real_chain_gap(*a))
+    monkeypatch.setattr(equality, "top2_gap", lambda *a: chains + 10.0)    # a drifted full forward ...
+    monkeypatch.setattr(equality, "step_gap", lambda *a: chains + 5.0)     # ... and drifted steps
+    tie = equality.check(tiny_target, prompt, ar, other, tie_tol=chains + 1.0)
+    assert tie["match"] == "tie" and tie["chain_gap"] == pytest.approx(chains) and calls == [ar[:i]]
+    assert equality.check(tiny_target, prompt, ar, other, tie_tol=chains / 2)["match"] == "diverged"
+    assert "chain_gap" not in equality.check(tiny_target, prompt, ar, other, tie_tol=chains + 6.0)
+    # the target is left clean: plain decoding after the check gives the same tokens
+    assert dt.generate(tiny_target, None, prompt, method="ar", max_new_tokens=20).token_ids == ar
+
+
 def test_reference_sets_the_paired_tests_and_survives_report_only(bench_env, tiny_llama_dir, tmp_path, capsys):
     out = tmp_path / "ref"
     assert bench(bench_env, tiny_llama_dir, out, "ar,dflash,dominotree,dominotree:budget=4", "--max-samples", "2",

@@ -346,7 +346,8 @@ def verdict(records) -> int:
     for r in bad:
         e = r["equality"]
         print(f"  {r['method']} on {r['dataset']}/{r['question_id']}: token {e['index']}, top-2 gap {e['gap']:.4g}"
-              f" (plain decoding's steps: {e.get('step_gap', e['gap']):.4g})",
+              f" (plain decoding's steps: {e.get('step_gap', e['gap']):.4g}; verifies ending there: "
+              f"{e.get('chain_gap', e.get('step_gap', e['gap'])):.4g})",
               file=sys.stderr)
     print(bar, file=sys.stderr)
     return 1
