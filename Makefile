@@ -24,7 +24,7 @@ $(STAMP): pyproject.toml
 setup: $(STAMP)
 
 run: $(STAMP)
-	$(VENV)/bin/dominotree generate --method dominotree --budget 8 --lookup 8 --draft-vocab 8192 \
+	$(VENV)/bin/dominotree generate --method dominotree --budget 15 --lookup 8 --draft-vocab 8192 \
 		--max-new-tokens 96 "Explain in three sentences what a KV cache is."
 
 test: $(STAMP)

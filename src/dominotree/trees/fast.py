@@ -41,7 +41,7 @@ class GruInputs:
         # from outside one (an inference tensor refuses in-place writes there)
         with torch.inference_mode(False):
             self.table = torch.empty(embed.shape[0], w_ih.shape[0])   # pages are committed as rows are written
-            # computed blocks; a uint8 tensor so the native builder (trees/native.py) reads and sets it too
+            # computed blocks; a uint8 tensor so the native builder (trees/native/) reads and sets it too
             self.ready = torch.zeros(-(-embed.shape[0] // block), dtype=torch.uint8)
         self._ready = self.ready.numpy()
         self.warmed: set[tuple] = set()   # token sets HeadWeights.warm filled

@@ -2,8 +2,9 @@
 
 The Python fast builder (trees/fast.py) spends most of a budget-8 tree in the interpreter: ~25
 small tensor calls per batch of expansions at ~4-5 us each, plus the heap. The C++ builder runs
-the same heap, the same batches and the same ATen ops on the same shapes, so its scores are
-bit-identical to the Python builder's and its trees are the same trees.
+the same heap, the same batches and the same ATen ops on the same shapes, so at the same lookahead
+its scores are bit-identical to the Python builder's, and at any lookahead its trees are the
+reference builder's.
 
 It is compiled on first use with torch's extension builder (a C++ compiler and ninja, both
 offline) into the dominotree cache, keyed by the source and torch version, and reused after.

@@ -4,7 +4,7 @@
 // batch cost ~4-5 us each from Python and ~1 us from here, and the heap bookkeeping moves too.
 //
 // It covers the published setting: path conditioning, top-M candidates, "topm" normalisation, a
-// weight-matrix embedding. trees/native.py falls back to the Python builder for everything else.
+// weight-matrix embedding. trees/native/__init__.py falls back to the Python builder for everything else.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
