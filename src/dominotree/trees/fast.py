@@ -93,12 +93,12 @@ class HeadWeights:
         """W_ih e(t) for the tokens: from the kept table when `embed` is a weight matrix."""
         if not isinstance(embed, torch.Tensor):
             return F.linear(_embedder(embed)(torch.tensor(tokens)), self.w_ih)
-        return self._table(embed).rows(tokens)
+        return self.table_for(embed).rows(tokens)
 
     def warm(self, embed: torch.Tensor, tokens: torch.Tensor) -> None:
         """Fill the table for `tokens` (a draft vocabulary's ids: every token a tree can hold) now,
         once, rather than a block at a time inside the rounds that first draft them."""
-        table = self._table(embed)
+        table = self.table_for(embed)
         key = (tokens.data_ptr(), len(tokens))
         if key not in table.warmed:
             table.fill(tokens.tolist())
@@ -107,9 +107,9 @@ class HeadWeights:
     def root_rows(self, embed) -> dict:
         """The builder's root-row cache for this embedding (a fresh dict for an embedding module,
         whose weights are not tracked)."""
-        return self._table(embed).roots if isinstance(embed, torch.Tensor) else {}
+        return self.table_for(embed).roots if isinstance(embed, torch.Tensor) else {}
 
-    def _table(self, embed: torch.Tensor) -> GruInputs:
+    def table_for(self, embed: torch.Tensor) -> GruInputs:
         if self.inputs is None or not self.inputs.matches(embed, self.w_ih):
             self.inputs = GruInputs(embed, self.w_ih)
         return self.inputs

@@ -97,10 +97,10 @@ def build_dominotree_native(base_logits: torch.Tensor, hidden: torch.Tensor, hea
                                              conditioning)
     D = base_logits.shape[0] if max_depth is None else min(max_depth, base_logits.shape[0])
     cands, cand_logits = depth_candidates(base_logits, corr_topm, vocab_ids)
-    table = W._table(embed)
+    table = W.table_for(embed)
     costs = torch.tensor(stop.costs(budget + 1) if stop is not None else [], dtype=torch.float64)
     tokens, parents, depths, scores = torch.ops.dominotree_native.build_dominotree(
         base_logits, hidden, cands, cand_logits, W.w1_h, W.s_proj, W.w2, table.table, table.ready, embed,
-        W.w_ih, table.block, kept_root_row(W, embed, root_token), int(root_token), int(budget), int(node_topk), int(prefix_len), int(D),
-        NATIVE_LOOKAHEAD if lookahead is None else int(lookahead), costs)
+        W.w_ih, table.block, kept_root_row(W, embed, root_token), int(root_token), int(budget), int(node_topk),
+        int(prefix_len), int(D), NATIVE_LOOKAHEAD if lookahead is None else int(lookahead), costs)
     return DraftTree(tokens, parents, depths, scores)

@@ -67,13 +67,9 @@ class Builder {
           const Tensor& w1_h, const Tensor& s_proj, const Tensor& w2, const Tensor& table,
           const Tensor& ready, const Tensor& embed, const Tensor& w_ih, int64_t block, int64_t node_topk,
           int64_t prefix_len, int64_t depth_limit)
-      : base_(base_logits), cands_(cands), cand_logits_(cand_logits), w_ih_(w_ih), table_(table), ready_(ready), embed_(embed),
-        block_(block), prefix_len_(prefix_len), D_(depth_limit) {
-    r_ = w2.size(1);
-    G_ = s_proj.size(1);
-    k_ = std::min<int64_t>(node_topk, cands.size(1));
-    M_ = cands.size(1);
-    s_proj_ = s_proj;
+      : r_(w2.size(1)), G_(s_proj.size(1)), k_(std::min<int64_t>(node_topk, cands.size(1))), M_(cands.size(1)),
+        base_(base_logits), cands_(cands), cand_logits_(cand_logits), w_ih_(w_ih), table_(table), ready_(ready),
+        embed_(embed), s_proj_(s_proj), block_(block), prefix_len_(prefix_len), D_(depth_limit) {
     if (D_ > 0) {
       zh_ = at::linear(hidden.index({Slice(0, D_)}), w1_h);
       base_c_ = cand_logits.index({Slice(0, D_)});
