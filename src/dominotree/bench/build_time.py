@@ -2,9 +2,10 @@
 
 Drafts are recorded from real DominoTree rounds on benchmark prompts; then the builders run on
 each recorded draft, interleaved (the order rotates each repeat), and must return the identical
-tree (the native one, when it is not compiled here, is left out). Reports medians and the ratio (`dominotree bench --build-time`); a DominoTree spec
-in `--methods` (e.g. `dominotree:budget=8,draft_vocab=8192`) sets the rounds' options, so the
-builders are timed on the configuration a benchmark runs."""
+tree (the native one, when it is not compiled here, is left out). Reports medians and the ratios
+(`dominotree bench --build-time`); a DominoTree spec in `--methods` (e.g.
+`dominotree:budget=8,draft_vocab=8192`) sets the rounds' options, so the builders are timed on the
+configuration a benchmark runs."""
 from __future__ import annotations
 
 import statistics

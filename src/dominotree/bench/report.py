@@ -9,6 +9,7 @@ import re
 from pathlib import Path
 
 from ..machine import describe
+from .equality import opinions_note
 from .metrics import ALL, BASELINE, STAGES, reference_method, summarize
 
 RESULTS, RUN_INFO = "results.jsonl", "run.json"
@@ -116,9 +117,7 @@ def equality_section(rows, records, info) -> list[str]:
         kind = "near-tie" if e["match"] == "tie" else "**DIVERGED**"
         lines.append(f"- {kind}: `{r['method']}` on {r['dataset']}/{r['question_id']}: first difference at token "
                      f"{e['index']} (ar {e['expected']}, got {e['got']}), top-2 logit gap {e['gap']:.4g}"
-                     + (f" ({e['step_gap']:.4g} in plain decoding's own steps" if "step_gap" in e else "")
-                     + (f", {e['chain_gap']:.4g} at least in verifies of 1-16 tokens ending there" if "chain_gap" in e else "")
-                     + (")" if "step_gap" in e else ""))
+                     + opinions_note(e))
     bad = sum(r["equality"]["match"] == "diverged" for r in problems(records))
     lines += ["", f"**FAILED: {bad} output(s) diverged from plain decoding beyond a near-tie.**" if bad
               else "All methods match plain decoding (up to near-ties).", ""]

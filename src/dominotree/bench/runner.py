@@ -20,6 +20,7 @@ from ..trees.native import status as native_status
 from ..machine import machine_info
 from ..packed import packing
 from .datasets import DATASETS, DEFAULT_DATASETS, Prompt, load_dataset
+from .equality import opinions_note
 from .methods import ALL_METHODS, PRESETS, expand_methods, run_hf_peer
 from .metrics import BASELINE, reference_method
 from .report import RESULTS, RUN_INFO, problems, write_reports
@@ -346,8 +347,6 @@ def verdict(records) -> int:
     for r in bad:
         e = r["equality"]
         print(f"  {r['method']} on {r['dataset']}/{r['question_id']}: token {e['index']}, top-2 gap {e['gap']:.4g}"
-              f" (plain decoding's steps: {e.get('step_gap', e['gap']):.4g}; verifies ending there: "
-              f"{e.get('chain_gap', e.get('step_gap', e['gap'])):.4g})",
-              file=sys.stderr)
+              + opinions_note(e), file=sys.stderr)
     print(bar, file=sys.stderr)
     return 1

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from ..tree import DraftTree
-from ..dominotree import ThroughputStop, depth_candidates, vocabulary_wide
+from ..dominotree import ThroughputStop, depth_candidates
 from ..fast import HeadWeights, build_dominotree_fast, kept_root_row
 
 SOURCE = Path(__file__).with_name("dominotree_builder.cpp")
@@ -91,10 +91,8 @@ def build_dominotree_native(base_logits: torch.Tensor, hidden: torch.Tensor, hea
     if base_logits.is_cuda or not covers(normalization, conditioning, corr_topm, node_topk,
                                          base_logits.shape[-1], embed, stop) or not load():
         return build_dominotree_fast(base_logits, hidden, head, embed, root_token, budget, **kwargs)
-    base_logits, hidden = base_logits.float(), hidden.float()
+    base_logits, hidden = base_logits.float(), hidden.float()   # compact rows stay compact: covers() holds
     W = weights or HeadWeights(head)
-    base_logits, vocab_ids = vocabulary_wide(base_logits, vocab_ids, W.w2.shape[0], corr_topm, normalization,
-                                             conditioning)
     D = base_logits.shape[0] if max_depth is None else min(max_depth, base_logits.shape[0])
     cands, cand_logits = depth_candidates(base_logits, corr_topm, vocab_ids)
     table = W.table_for(embed)
