@@ -13,8 +13,12 @@ from .dominotree import build_dominotree, path_probability_stop
 from .fast import build_dominotree_fast
 from . import native
 from .native import build_dominotree_native
+from .native.chain import domino_chain_native
 
 TREE_BUILDERS = {"native": build_dominotree_native, "fast": build_dominotree_fast, "reference": build_dominotree}
+# the Domino chain by the same choice: C++, the pruned Python chain, or W2's full product per depth
+CHAIN_BUILDERS = {"native": domino_chain_native, "fast": domino_chain,
+                  "reference": lambda *args, **kw: domino_chain(*args, pruned=False, **kw)}
 
 DEFAULT_COST_MODEL = "cost_model.json"
 
@@ -52,13 +56,13 @@ def make_builder(cfg: SpecConfig, target, drafter):
         raise ValueError(f"method {method!r} needs a Domino drafter (with a correction head); "
                          f"{drafter.name!r} is a plain DFlash drafter")
     cost = load_cost_model(cfg, target) if method in ("caddtree", "condadaptive") else None
+    if needs_head and cfg.builder == "native":
+        native.load()   # compiled (first use only) before the first round, not inside its timing
     if needs_head and method != "domino":
         head32 = drafter.float_head()   # builders score in float32
         weights = drafter.tree_weights()
         embed_w = target.model.get_input_embeddings().weight
         tree_fn = TREE_BUILDERS[cfg.builder]
-        if tree_fn is build_dominotree_native:
-            native.load()   # compiled (first use only) before the first round, not inside its timing
         if cfg.draft_vocab and tree_fn is not build_dominotree:
             from ..draft_vocab import draft_vocab_for
             weights.warm(embed_w, draft_vocab_for(target, cfg.draft_vocab, cfg.draft_vocab_source).ids)
@@ -68,7 +72,7 @@ def make_builder(cfg: SpecConfig, target, drafter):
         if method == "dflash":
             return dflash_chain(draft.base_logits, root, depth), {}
         if method == "domino":
-            return domino_chain(drafter, draft, root, target, depth), {}
+            return CHAIN_BUILDERS[cfg.builder](drafter, draft, root, target, depth), {}
         logits, ids = draft.scores()      # compact rows over a draft vocabulary (ids None: all tokens)
         if method in ("ddtree", "caddtree"):
             lp = torch.log_softmax(logits[:depth], -1)

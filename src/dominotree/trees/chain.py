@@ -12,6 +12,8 @@ def dflash_chain(base_logits: torch.Tensor, root_token: int, depth: int) -> Draf
     return DraftTree.chain(root_token, best.indices.tolist(), best.values.cumsum(0))
 
 
-def domino_chain(drafter, draft, root_token: int, target, depth: int) -> DraftTree:
-    tokens, logps = drafter.chain(draft, root_token, target, depth)
+def domino_chain(drafter, draft, root_token: int, target, depth: int, topm: int = 64,
+                 pruned: bool = True) -> DraftTree:
+    """The Python Domino chain (`pruned=False`: the reference, W2's full product per depth)."""
+    tokens, logps = drafter.chain(draft, root_token, target, depth, topm=topm, pruned=pruned)
     return DraftTree.chain(root_token, tokens, torch.tensor(logps).cumsum(0))

@@ -26,14 +26,17 @@ from ..tree import DraftTree
 from ..dominotree import ThroughputStop, depth_candidates
 from ..fast import HeadWeights, build_dominotree_fast, kept_root_row
 
-SOURCE = Path(__file__).with_name("dominotree_builder.cpp")
+HERE = Path(__file__).parent
+SOURCES = [HERE / "dominotree_builder.cpp", HERE / "domino_chain.cpp"]
+HEADERS = [HERE / "head_ops.h"]
 NATIVE_LOOKAHEAD = 4
 _state: dict = {"loaded": None, "error": None}    # loaded: None = not tried, True / False
 
 
 def _build_dir() -> Path:
     from ...models import cache_dir
-    key = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode()).hexdigest()[:16]
+    code = b"".join(f.read_bytes() for f in SOURCES + HEADERS)
+    key = hashlib.sha256(code + torch.__version__.encode()).hexdigest()[:16]
     return cache_dir() / "native" / key
 
 
@@ -49,7 +52,7 @@ def load() -> bool:
         from torch.utils import cpp_extension
         build_dir = _build_dir()
         build_dir.mkdir(parents=True, exist_ok=True)
-        cpp_extension.load(name="dominotree_native", sources=[str(SOURCE)], extra_cflags=["-O2"],
+        cpp_extension.load(name="dominotree_native", sources=[str(f) for f in SOURCES], extra_cflags=["-O3"],
                            build_directory=str(build_dir), is_python_module=False, verbose=False)
         _state.update(loaded=True, error=None)
     except Exception as exc:   # no compiler, no ninja, a broken toolchain: the Python builder runs

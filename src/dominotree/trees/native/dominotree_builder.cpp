@@ -8,6 +8,8 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
+#include "head_ops.h"
+
 #include <algorithm>
 #include <cmath>
 #include <tuple>
@@ -86,32 +88,13 @@ class Builder {
     return {to_longs(ids), to_doubles(lp)};
   }
 
-  // GruInputs.rows: W_ih e(t) from the kept table, computing any missing block first
   Tensor input_rows(const std::vector<int64_t>& toks) {
-    uint8_t* ready = ready_.data_ptr<uint8_t>();
-    std::vector<int64_t> blocks;
-    for (int64_t t : toks) blocks.push_back(t / block_);
-    std::sort(blocks.begin(), blocks.end());
-    blocks.erase(std::unique(blocks.begin(), blocks.end()), blocks.end());
-    for (int64_t b : blocks) {
-      if (ready[b]) continue;
-      int64_t lo = b * block_, hi = std::min((b + 1) * block_, embed_.size(0));
-      table_.index_put_({Slice(lo, hi)}, at::linear(embed_.index({Slice(lo, hi)}).to(at::kFloat), w_ih_));
-      ready[b] = 1;
-    }
-    return table_.index({at::tensor(toks, at::kLong)});
+    return dominotree_native::input_rows(toks, table_, ready_, embed_, w_ih_, block_);
   }
-
-  // fast.gru_from_halves
   Tensor gru(const Tensor& gi, const Tensor& gh, const Tensor& state) {
-    Tensor rz = at::sigmoid(gi.index({Slice(), Slice(0, 2 * G_)}) + gh.index({Slice(), Slice(0, 2 * G_)}));
-    Tensor n = at::tanh(at::addcmul(gi.index({Slice(), Slice(2 * G_)}), rz.index({Slice(), Slice(0, G_)}),
-                                    gh.index({Slice(), Slice(2 * G_)})));
-    return at::lerp(n, state, rz.index({Slice(), Slice(G_)}));
+    return dominotree_native::gru(gi, gh, state, G_);
   }
-
-  // fast.node_rows: [W1_s s | W_hh s | s]
-  Tensor node_rows(const Tensor& states) { return at::cat({at::linear(states, s_proj_), states}, 1); }
+  Tensor node_rows(const Tensor& states) { return dominotree_native::node_rows(states, s_proj_); }
 
   // fast.expand: children at the given child depths of parents whose W1_s s rows are zs
   std::vector<Kids> expand(const Tensor& zs, const std::vector<int64_t>& child_depths) {

@@ -1,0 +1,142 @@
+// The Domino chain (drafters/domino.DominoDrafter.chain) as one C++ call: per depth the argmax of
+// base + W2 z over every column, exact, scoring only the columns that can win.
+//
+// From Python a depth costs ~0.8 ms: ~40 tensor calls, several of them over the whole 49k-token
+// vocabulary (the bound, its comparison, nonzero, gathers). Here one pass over the columns checks
+// two bounds on W2_v z, the loose one first (three numbers per column):
+//   W2_v z = U_v . P^T z + R_v . z <= U_v . P^T z + |R_v| |z - P P^T z| <= |U_v| |P^T z| + |R_v| |z - P P^T z|,
+// and only the columns whose tight bound reaches the best candidate's corrected logit get the
+// exact 128-term product. The GRU step and the head's products are trees/fast.py's (head_ops.h).
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include "head_ops.h"
+
+#include <cmath>
+#include <limits>
+#include <tuple>
+#include <vector>
+
+namespace {
+
+using at::Tensor;
+using at::indexing::Slice;
+
+constexpr int64_t kAhead = 6;   // W2 rows prefetched ahead of the one being scored
+
+// a dot product with eight partial sums: the compiler can keep them in one vector register
+inline float dot(const float* a, const float* b, int64_t n) {
+  float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    for (int j = 0; j < 8; ++j) acc[j] += a[i + j] * b[i + j];
+  float s = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+  for (; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+// base [D, N] float32 logits (N: every token, or a draft vocabulary's columns); cands [D, M] the
+// columns of each row's top-M (the log-prob labels are normalised over them); hidden [D, h];
+// w2 [N, r], u [N, k], u_norms [N], res_norms [N]: W2Bound's split restricted to the columns;
+// p [r, k]; col_ids [N] the token id of each column; the GRU input table as the builder's.
+// Returns (columns [depth], log-prob labels [depth] float32, exactly scored columns [depth]).
+std::tuple<Tensor, Tensor, Tensor> chain(
+    const Tensor& base, const Tensor& cands, const Tensor& hidden, const Tensor& w1_h, const Tensor& s_proj,
+    const Tensor& w2, const Tensor& u, const Tensor& u_norms, const Tensor& res_norms, const Tensor& p,
+    const Tensor& col_ids, Tensor table, Tensor ready, const Tensor& embed, const Tensor& w_ih, int64_t block,
+    const Tensor& root_row, int64_t prefix_len, int64_t depth) {
+  at::NoGradGuard no_grad;
+  TORCH_CHECK(base.dim() == 2 && base.scalar_type() == at::kFloat && base.is_contiguous(),
+              "domino_chain: base logits must be contiguous float32 [D, N]");
+  TORCH_CHECK(depth <= base.size(0) && depth <= hidden.size(0), "domino_chain: depth beyond the draft");
+  const int64_t N = base.size(1), M = cands.size(1), r = w2.size(1), k = p.size(1), G = s_proj.size(1);
+  TORCH_CHECK(w2.size(0) == N && u.size(0) == N && u_norms.size(0) == N && res_norms.size(0) == N &&
+                  col_ids.size(0) == N && u.size(1) == k && p.size(0) == r,
+              "domino_chain: the head's columns do not match the logits");
+  for (const Tensor* t : {&w2, &u, &u_norms, &res_norms, &p})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous(), "domino_chain: float32 contiguous weights");
+
+  const float* W2 = w2.data_ptr<float>();
+  Tensor cand_cols = cands.to(at::kLong).contiguous();
+  Tensor ids = col_ids.to(at::kLong).contiguous();
+  Tensor zh = depth > prefix_len ? at::linear(hidden.index({Slice(0, depth)}).to(at::kFloat), w1_h) : Tensor();
+
+  std::vector<int64_t> cols(depth), scored(depth, 0);
+  std::vector<float> logps(depth);
+  std::vector<float> corr(M);
+  std::vector<int64_t> reach;
+  Tensor row = root_row.unsqueeze(0);            // [1, r + 3G + G]: [W1_s s | W_hh s | s]
+  for (int64_t d = 0; d < depth; ++d) {
+    const float* b = base.data_ptr<float>() + d * N;
+    int64_t best_col;
+    if (d < prefix_len) {                        // the head does not correct the first depths
+      Tensor lp = at::log_softmax(base[d], -1);
+      best_col = at::argmax(base[d]).item<int64_t>();
+      logps[d] = lp[best_col].item<float>();
+    } else {
+      Tensor zt = at::silu(row.index({0, Slice(0, r)}) + zh[d]).contiguous();
+      const float* z = zt.data_ptr<float>();
+      const int64_t* cc = cand_cols.data_ptr<int64_t>() + d * M;
+      float best = -std::numeric_limits<float>::infinity();
+      for (int64_t j = 0; j < M; ++j) {
+        corr[j] = b[cc[j]] + dot(W2 + cc[j] * r, z, r);
+        best = std::max(best, corr[j]);
+      }
+      // W2Bound.upper for every column in one product: base + U P^T z + |R_v| |z - P P^T z|
+      Tensor zp = at::mv(p.t(), zt);
+      const float perp = at::linalg_vector_norm(zt - at::mv(p, zp)).item<float>();
+      Tensor upper = at::addmv(at::add(base[d], res_norms, perp), u, zp);
+      const float* up = upper.data_ptr<float>();
+      // rounding slack, as corrected_argmax's: a column whose bound misses by less is scored anyway
+      const float floor = best - 1e-4f * (1.f + std::fabs(best));
+      reach.clear();
+      for (int64_t v = 0; v < N; ++v)
+        if (up[v] >= floor) reach.push_back(v);
+      // the exact products, each W2 row fetched a few rows ahead: the rows are scattered over
+      // megabytes that the target's forward has pushed out of the near caches since the last round
+      float top = -std::numeric_limits<float>::infinity();
+      best_col = -1;
+      const int64_t n_reach = static_cast<int64_t>(reach.size());
+      for (int64_t i = 0; i < n_reach; ++i) {
+        if (i + kAhead < n_reach) {
+          const char* next = reinterpret_cast<const char*>(W2 + reach[i + kAhead] * r);
+          for (int64_t off = 0; off < r * 4; off += 64) __builtin_prefetch(next + off);
+        }
+        const int64_t v = reach[i];
+        const float s = b[v] + dot(W2 + v * r, z, r);
+        if (s > top) {                           // strictly: ties keep the lowest column
+          top = s;
+          best_col = v;
+        }
+      }
+      const int64_t n_scored = n_reach;
+      if (best_col < 0) best_col = at::argmax(base[d]).item<int64_t>();   // every logit -inf or NaN
+      scored[d] = n_scored;
+      double m = -std::numeric_limits<double>::infinity(), sum = 0.0;
+      for (int64_t j = 0; j < M; ++j) m = std::max(m, static_cast<double>(corr[j]));
+      for (int64_t j = 0; j < M; ++j) sum += std::exp(static_cast<double>(corr[j]) - m);
+      const double lse = m + std::log(sum);
+      logps[d] = -std::numeric_limits<float>::infinity();
+      for (int64_t j = 0; j < M; ++j)
+        if (cc[j] == best_col) logps[d] = static_cast<float>(corr[j] - lse);
+    }
+    cols[d] = best_col;
+    if (d + 1 < depth) {                         // the state after this depth's token
+      Tensor gi = dominotree_native::input_rows({ids.data_ptr<int64_t>()[best_col]}, table, ready, embed, w_ih, block);
+      Tensor state = dominotree_native::gru(gi, row.index({Slice(), Slice(r, r + 3 * G)}),
+                                            row.index({Slice(), Slice(r + 3 * G)}), G);
+      row = dominotree_native::node_rows(state, s_proj);
+    }
+  }
+  return {at::tensor(cols, at::kLong), at::tensor(logps, at::kFloat), at::tensor(scored, at::kLong)};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(dominotree_native, m) {
+  m.def(
+      "domino_chain(Tensor base, Tensor cands, Tensor hidden, Tensor w1_h, Tensor s_proj, Tensor w2, Tensor u, "
+        "Tensor u_norms, Tensor res_norms, Tensor p, Tensor col_ids, Tensor table, Tensor ready, Tensor embed, "
+        "Tensor w_ih, int block, Tensor root_row, int prefix_len, int depth) -> (Tensor, Tensor, Tensor)",
+      &chain);
+}
