@@ -79,14 +79,13 @@ class W2Bound:
         zp = self.p.T @ z
         return self.u @ zp + self.res_norms * (z - self.p @ zp).norm()
 
-    def columns(self, ids: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
-        """(W2, U, |U_v|, |R_v|) for the tokens `ids` (all tokens: None), contiguous: what the native
-        chain scans. Kept for the last ids asked (a draft vocabulary's, across rounds)."""
+    def columns(self, ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(W2, U, |R_v|) for the tokens `ids` (all tokens: None), contiguous: what the native chain
+        scans. Kept for the last ids asked (a draft vocabulary's, across rounds)."""
         kept = getattr(self, "_columns", None)
         if kept is None or kept[0] is not ids:
             pick = (lambda t: t) if ids is None else (lambda t: t[ids])
-            u = pick(self.u).contiguous()
-            self._columns = (ids, (pick(self.w2).contiguous(), u, u.norm(dim=-1), pick(self.res_norms).contiguous()))
+            self._columns = (ids, tuple(pick(t).contiguous() for t in (self.w2, self.u, self.res_norms)))
         return self._columns[1]
 
 

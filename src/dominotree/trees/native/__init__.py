@@ -1,4 +1,6 @@
-"""DominoTree's fast builder compiled (dominotree_builder.cpp), for CPU rounds.
+"""DominoTree's fast builder compiled (dominotree_builder.cpp), for CPU rounds; the Domino chain
+(domino_chain.cpp, wrapped in chain.py) is built into the same library, and both share the head's
+per-node steps (head_ops.h).
 
 The Python fast builder (trees/fast.py) spends most of a budget-8 tree in the interpreter: ~25
 small tensor calls per batch of expansions at ~4-5 us each, plus the heap. The C++ builder runs
@@ -7,7 +9,7 @@ its scores are bit-identical to the Python builder's, and at any lookahead its t
 reference builder's.
 
 It is compiled on first use with torch's extension builder (a C++ compiler and ninja, both
-offline) into the dominotree cache, keyed by the source and torch version, and reused after.
+offline) into the dominotree cache, keyed by the sources and torch version, and reused after.
 Where it cannot be built (no compiler) or `DOMINOTREE_NATIVE=0`, and for the settings it does not
 cover (greedy conditioning, the whole vocabulary as candidates, "exact" normalisation, an
 embedding module, corr_topm < node_topk), `build_dominotree_native` runs the Python fast builder.

@@ -18,7 +18,7 @@ from ..chain import domino_chain
 from ..fast import HeadWeights, kept_root_row
 from ..topk import topk_rows
 from ..tree import DraftTree
-from . import load
+from . import load, status
 
 
 def chain_columns(logits: torch.Tensor, hidden: torch.Tensor, ids: torch.Tensor | None, weights: HeadWeights,
@@ -26,13 +26,15 @@ def chain_columns(logits: torch.Tensor, hidden: torch.Tensor, ids: torch.Tensor 
                   topm: int = 64) -> tuple[list[int], torch.Tensor, torch.Tensor]:
     """(tokens, log-prob labels [depth], exactly scored columns per depth) of the chain over the
     columns of `logits` [>= depth, N] (token ids `ids`, or all tokens when None)."""
+    if not load():
+        raise RuntimeError(f"the native Domino chain is unavailable: {status()}")
     logits = logits[:depth].float().contiguous()
-    w2, u, u_norms, res_norms = bound.columns(ids)
+    w2, u, res_norms = bound.columns(ids)
     col_ids = ids if ids is not None else torch.arange(logits.shape[1])
     cands = topk_rows(logits, min(topm, logits.shape[1]))[1]
     table = weights.table_for(embed)
     cols, logps, scored = torch.ops.dominotree_native.domino_chain(
-        logits, cands, hidden[:depth].float(), weights.w1_h, weights.s_proj, w2, u, u_norms, res_norms, bound.p,
+        logits, cands, hidden[:depth].float(), weights.w1_h, weights.s_proj, w2, u, res_norms, bound.p,
         col_ids, table.table, table.ready, embed, weights.w_ih, table.block,
         kept_root_row(weights, embed, root_token), int(prefix_len), int(depth))
     return col_ids[cols].tolist(), logps, scored

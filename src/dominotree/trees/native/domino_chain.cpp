@@ -1,12 +1,12 @@
 // The Domino chain (drafters/domino.DominoDrafter.chain) as one C++ call: per depth the argmax of
 // base + W2 z over every column, exact, scoring only the columns that can win.
 //
-// From Python a depth costs ~0.8 ms: ~40 tensor calls, several of them over the whole 49k-token
-// vocabulary (the bound, its comparison, nonzero, gathers). Here one pass over the columns checks
-// two bounds on W2_v z, the loose one first (three numbers per column):
-//   W2_v z = U_v . P^T z + R_v . z <= U_v . P^T z + |R_v| |z - P P^T z| <= |U_v| |P^T z| + |R_v| |z - P P^T z|,
-// and only the columns whose tight bound reaches the best candidate's corrected logit get the
-// exact 128-term product. The GRU step and the head's products are trees/fast.py's (head_ops.h).
+// From Python a depth costs ~0.7 ms: ~40 tensor calls, several of them over the whole 49k-token
+// vocabulary (the bound, its comparison, nonzero, gathers). Here a depth is one product for
+// W2Bound's bound on every column,
+//   W2_v z = U_v . P^T z + R_v . z <= U_v . P^T z + |R_v| |z - P P^T z|,
+// one pass that scores exactly (128 terms) only the columns whose bound reaches the best top-M
+// candidate's corrected logit, and the GRU step, with trees/fast.py's ops (head_ops.h).
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
@@ -22,8 +22,6 @@ namespace {
 using at::Tensor;
 using at::indexing::Slice;
 
-constexpr int64_t kAhead = 6;   // W2 rows prefetched ahead of the one being scored
-
 // a dot product with eight partial sums: the compiler can keep them in one vector register
 inline float dot(const float* a, const float* b, int64_t n) {
   float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
@@ -37,12 +35,12 @@ inline float dot(const float* a, const float* b, int64_t n) {
 
 // base [D, N] float32 logits (N: every token, or a draft vocabulary's columns); cands [D, M] the
 // columns of each row's top-M (the log-prob labels are normalised over them); hidden [D, h];
-// w2 [N, r], u [N, k], u_norms [N], res_norms [N]: W2Bound's split restricted to the columns;
+// w2 [N, r], u [N, k], res_norms [N]: W2Bound's split restricted to the columns;
 // p [r, k]; col_ids [N] the token id of each column; the GRU input table as the builder's.
 // Returns (columns [depth], log-prob labels [depth] float32, exactly scored columns [depth]).
 std::tuple<Tensor, Tensor, Tensor> chain(
     const Tensor& base, const Tensor& cands, const Tensor& hidden, const Tensor& w1_h, const Tensor& s_proj,
-    const Tensor& w2, const Tensor& u, const Tensor& u_norms, const Tensor& res_norms, const Tensor& p,
+    const Tensor& w2, const Tensor& u, const Tensor& res_norms, const Tensor& p,
     const Tensor& col_ids, Tensor table, Tensor ready, const Tensor& embed, const Tensor& w_ih, int64_t block,
     const Tensor& root_row, int64_t prefix_len, int64_t depth) {
   at::NoGradGuard no_grad;
@@ -50,10 +48,10 @@ std::tuple<Tensor, Tensor, Tensor> chain(
               "domino_chain: base logits must be contiguous float32 [D, N]");
   TORCH_CHECK(depth <= base.size(0) && depth <= hidden.size(0), "domino_chain: depth beyond the draft");
   const int64_t N = base.size(1), M = cands.size(1), r = w2.size(1), k = p.size(1), G = s_proj.size(1);
-  TORCH_CHECK(w2.size(0) == N && u.size(0) == N && u_norms.size(0) == N && res_norms.size(0) == N &&
+  TORCH_CHECK(w2.size(0) == N && u.size(0) == N && res_norms.size(0) == N &&
                   col_ids.size(0) == N && u.size(1) == k && p.size(0) == r,
               "domino_chain: the head's columns do not match the logits");
-  for (const Tensor* t : {&w2, &u, &u_norms, &res_norms, &p})
+  for (const Tensor* t : {&w2, &u, &res_norms, &p})
     TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous(), "domino_chain: float32 contiguous weights");
 
   const float* W2 = w2.data_ptr<float>();
@@ -64,7 +62,6 @@ std::tuple<Tensor, Tensor, Tensor> chain(
   std::vector<int64_t> cols(depth), scored(depth, 0);
   std::vector<float> logps(depth);
   std::vector<float> corr(M);
-  std::vector<int64_t> reach;
   Tensor row = root_row.unsqueeze(0);            // [1, r + 3G + G]: [W1_s s | W_hh s | s]
   for (int64_t d = 0; d < depth; ++d) {
     const float* b = base.data_ptr<float>() + d * N;
@@ -89,27 +86,18 @@ std::tuple<Tensor, Tensor, Tensor> chain(
       const float* up = upper.data_ptr<float>();
       // rounding slack, as corrected_argmax's: a column whose bound misses by less is scored anyway
       const float floor = best - 1e-4f * (1.f + std::fabs(best));
-      reach.clear();
-      for (int64_t v = 0; v < N; ++v)
-        if (up[v] >= floor) reach.push_back(v);
-      // the exact products, each W2 row fetched a few rows ahead: the rows are scattered over
-      // megabytes that the target's forward has pushed out of the near caches since the last round
       float top = -std::numeric_limits<float>::infinity();
       best_col = -1;
-      const int64_t n_reach = static_cast<int64_t>(reach.size());
-      for (int64_t i = 0; i < n_reach; ++i) {
-        if (i + kAhead < n_reach) {
-          const char* next = reinterpret_cast<const char*>(W2 + reach[i + kAhead] * r);
-          for (int64_t off = 0; off < r * 4; off += 64) __builtin_prefetch(next + off);
-        }
-        const int64_t v = reach[i];
+      int64_t n_scored = 0;
+      for (int64_t v = 0; v < N; ++v) {
+        if (up[v] < floor) continue;
         const float s = b[v] + dot(W2 + v * r, z, r);
+        ++n_scored;
         if (s > top) {                           // strictly: ties keep the lowest column
           top = s;
           best_col = v;
         }
       }
-      const int64_t n_scored = n_reach;
       if (best_col < 0) best_col = at::argmax(base[d]).item<int64_t>();   // every logit -inf or NaN
       scored[d] = n_scored;
       double m = -std::numeric_limits<double>::infinity(), sum = 0.0;
@@ -136,7 +124,7 @@ std::tuple<Tensor, Tensor, Tensor> chain(
 TORCH_LIBRARY_FRAGMENT(dominotree_native, m) {
   m.def(
       "domino_chain(Tensor base, Tensor cands, Tensor hidden, Tensor w1_h, Tensor s_proj, Tensor w2, Tensor u, "
-        "Tensor u_norms, Tensor res_norms, Tensor p, Tensor col_ids, Tensor table, Tensor ready, Tensor embed, "
+        "Tensor res_norms, Tensor p, Tensor col_ids, Tensor table, Tensor ready, Tensor embed, "
         "Tensor w_ih, int block, Tensor root_row, int prefix_len, int depth) -> (Tensor, Tensor, Tensor)",
       &chain);
 }
