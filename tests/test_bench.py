@@ -300,6 +300,28 @@ def test_build_time_times_the_builders_on_recorded_rounds(bench_env, tiny_llama_
     assert "identical trees" in capsys.readouterr().out
 
 
+def test_build_time_times_the_domino_chains_on_recorded_rounds(bench_env, tiny_llama_dir, tmp_path, capsys,
+                                                               monkeypatch):
+    from dominotree.bench import build_time
+    depths = []   # the depth each timed chain ran to
+    inner = build_time.domino_chain
+    monkeypatch.setattr(build_time, "domino_chain", lambda d, draft, root, tgt, depth, **kw: depths.append(depth)
+                        or inner(d, draft, root, tgt, depth, **kw))
+    out = tmp_path / "chain"
+    rc = cli_main(["bench", "--build-time", "--methods", "domino", "--model", str(tiny_llama_dir), "--dtype", "fp32",
+                   "--prompts-file", str(bench_env / "prompts.jsonl"), "--domino-drafter", str(bench_env / "domino"),
+                   "--out", str(out), "--max-new-tokens", "12"])
+    assert rc == 0
+    res = json.loads((out / "build_time.json").read_text())
+    assert res["method"] == "domino" and res["timed"] == "Domino chain" and res["rounds"] >= 3
+    assert res["reference_ms"] > 0 and res["fast_ms"] > 0 and "budget" not in res
+    # reference (unpruned) and fast (pruned) chains, 3 repeats each, every round to its drafted depths
+    assert len(depths) == 2 * 3 * res["rounds"] and min(depths) >= 1
+    from dominotree.trees import native
+    assert (res["native_ms"] > 0) if native.load() else res["native"].startswith("fast (")
+    assert "Domino chain per round" in capsys.readouterr().out
+
+
 def test_build_time_takes_a_dominotree_spec_and_rejects_other_methods(bench_env, tiny_llama_dir, tmp_path,
                                                                        capsys, monkeypatch):
     from conftest import VOCAB
@@ -323,7 +345,8 @@ def test_build_time_takes_a_dominotree_spec_and_rejects_other_methods(bench_env,
     # the 48 ranked ids plus the EOS a draft vocabulary always keeps, never the whole vocabulary
     assert seen and all(ids is not None and width == len(ids) == 49 for width, ids in seen)
     assert "identical trees" in capsys.readouterr().out
-    for bad in ("ddtree:budget=5", "dominotree,dominotree:budget=4", "dominotree:conditioning=greedy"):
+    for bad in ("ddtree:budget=5", "dominotree,dominotree:budget=4", "dominotree:conditioning=greedy",
+                "domino:builder=fast"):
         assert cli_main(args + ["--methods", bad]) == 2
         assert "--build-time" in capsys.readouterr().err
     assert cli_main(args + ["--preset", "topm"]) == 2 and "--preset" in capsys.readouterr().err

@@ -67,8 +67,9 @@ def add_bench_parser(sub) -> None:
                    help="with --report-only: run the equality check again on the outputs it had found diverged "
                         "(loads the run's target; for runs checked before its second opinion, see bench/equality.py)")
     b.add_argument("--build-time", action="store_true",
-                   help="instead: DominoTree build ms per round, reference vs fast vs native builder, on drafts recorded "
-                        "from real rounds (identical trees checked); writes DIR/build_time.json")
+                   help="instead: DominoTree build ms per round, reference vs fast vs native builder (with a domino "
+                        "spec in --methods: the Domino chain's), on drafts recorded from real rounds (identical trees "
+                        "checked); writes DIR/build_time.json")
     b.add_argument("--prompts-file", default=None, help=argparse.SUPPRESS)   # JSONL of {text, ...} (tests)
     b.set_defaults(func=main)
 
@@ -92,13 +93,13 @@ def main(args) -> int:
                         ("--budget", args.budget, 1), ("--warmup", args.warmup, 0), ("--tie-tol", args.tie_tol, 0)):
         if v < lo:
             raise ValueError(f"{flag} must be >= {lo}, got {v}")
-    build_options = build_time_options(args) if args.build_time else None   # fail before loading anything
+    build_spec = build_time_options(args) if args.build_time else None   # fail before loading anything
     prompts = load_prompts(args)
 
     import dominotree as dt
     target = dt.load_target(args.model, dtype=args.dtype, pack=not args.no_pack, gqa=not args.no_gqa)
     if args.build_time:
-        return build_time(args, target, prompts, build_options)
+        return build_time(args, target, prompts, build_spec)
     names = {"dflash": args.dflash_drafter, "domino": args.domino_drafter}
     drafters = {k: dt.load_drafter(names[k], target=target, pack=not args.no_pack) for k in dict.fromkeys(s.drafter for s in specs) if k}
     out = Path(args.out)
@@ -120,41 +121,48 @@ def main(args) -> int:
     return verdict(records)
 
 
-def build_time(args, target, prompts, options: dict) -> int:
+def build_time(args, target, prompts, spec: tuple[str, dict]) -> int:
     import dominotree as dt
-    from .build_time import record_drafts, time_builders
+    from .build_time import record_drafts, time_builders, time_chains
+    method, options = spec
     options = {"budget": args.budget, **options}
-    cfg = dt.SpecConfig(method="dominotree", **options)     # the builders' knobs, defaults included
+    cfg = dt.SpecConfig(method=method, **options)     # the knobs, defaults included
     drafter = dt.load_drafter(args.domino_drafter, target=target, pack=not args.no_pack)
-    drafts = record_drafts(target, drafter, [p.text for p in prompts], args.max_new_tokens, options)
-    timed = time_builders(target, drafter, drafts, budget=cfg.budget, node_topk=cfg.node_topk, corr_topm=cfg.corr_topm)
-    res = {"command": command_line(args), "options": options, **timed}
+    drafts = record_drafts(target, drafter, [p.text for p in prompts], args.max_new_tokens, options, method)
+    if method == "domino":
+        timed = time_chains(target, drafter, drafts)
+    else:
+        timed = time_builders(target, drafter, drafts, budget=cfg.budget, node_topk=cfg.node_topk,
+                              corr_topm=cfg.corr_topm)
+    res = {"command": command_line(args), "method": method, "options": options, **timed}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "build_time.json").write_text(json.dumps(res, indent=1) + "\n")
     native_part = (f", native {res['native_ms']:.2f} ms ({res['native_speedup']:.2f}x)" if "native_ms" in res
                    else f" (native: {res['native']})")
-    print(f"DominoTree build per round over {res['rounds']} recorded rounds (budget {res['budget']}): reference "
+    size = f"budget {res['budget']}" if "budget" in res else "its depths"
+    print(f"{res['timed']} per round over {res['rounds']} recorded rounds ({size}): reference "
           f"{res['reference_ms']:.2f} ms, fast {res['fast_ms']:.2f} ms ({res['speedup']:.2f}x){native_part}, "
           "identical trees")
     return 0
 
 
-def build_time_options(args) -> dict:
-    """The rounds' options for --build-time: those of the one DominoTree spec in --methods (none: defaults)."""
+def build_time_options(args) -> tuple[str, dict]:
+    """What --build-time times and the rounds' options: the one dominotree or domino spec in
+    --methods (none: DominoTree at its defaults)."""
     if args.preset:
-        raise ValueError("--build-time takes no --preset: give --methods one dominotree spec instead")
+        raise ValueError("--build-time takes no --preset: give --methods one dominotree or domino spec instead")
     if args.methods is None:
-        return {}
+        return "dominotree", {}
     specs = [s for s in expand_methods(args.methods, None) if s.method != "ar"]
-    if len(specs) != 1 or specs[0].method != "dominotree":
-        raise ValueError("--build-time times the DominoTree builders: give --methods one dominotree spec "
-                         f"(e.g. dominotree:budget=8,draft_vocab=8192), got {args.methods!r}")
+    if len(specs) != 1 or specs[0].method not in ("dominotree", "domino"):
+        raise ValueError("--build-time times DominoTree's builders or the Domino chain: give --methods one "
+                         f"dominotree or domino spec (e.g. dominotree:budget=8,draft_vocab=8192), got {args.methods!r}")
     options = specs[0].config(args.budget)
     for key in ("normalization", "conditioning", "max_depth", "builder"):
         if key in options:
             raise ValueError(f"--build-time compares the builders at their defaults; {key} is not an option here")
-    return options
+    return specs[0].method, options
 
 
 def _floats(text: str, flag: str) -> list[float]:
