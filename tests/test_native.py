@@ -22,15 +22,20 @@ def same_tree(a, b):
     return all(torch.equal(getattr(a, f), getattr(b, f)) for f in FIELDS)
 
 
-@pytest.fixture
-def native_only(monkeypatch):
-    """Fail a test whose build falls back to the Python builder."""
+def refuse_fallback(monkeypatch, module, fallback: str, what: str):
+    """Load the native library and make `module.fallback` (the Python path) fail the test if called."""
     assert native.load(), native.status()
 
     def refuse(*args, **kwargs):
-        raise AssertionError("the native builder fell back to the Python builder")
+        raise AssertionError(f"the native {what} fell back to the Python one")
 
-    monkeypatch.setattr(native, "build_dominotree_fast", refuse)
+    monkeypatch.setattr(module, fallback, refuse)
+
+
+@pytest.fixture
+def native_only(monkeypatch):
+    """Fail a test whose build falls back to the Python builder."""
+    refuse_fallback(monkeypatch, native, "build_dominotree_fast", "builder")
 
 
 def random_case(seed):

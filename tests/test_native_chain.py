@@ -8,9 +8,9 @@ import torch
 
 import dominotree as dt
 from conftest import random_drafter
+from test_native import refuse_fallback
 from test_trees import random_problem
 from dominotree.drafters.domino import W2Bound
-from dominotree.trees import native
 from dominotree.trees.chain import domino_chain
 from dominotree.trees.fast import HeadWeights
 from dominotree.trees.native import chain as native_chain
@@ -22,12 +22,7 @@ pytestmark = pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g+
 @pytest.fixture
 def native_only(monkeypatch):
     """Fail a test whose chain falls back to the Python chain."""
-    assert native.load(), native.status()
-
-    def refuse(*args, **kwargs):
-        raise AssertionError("the native chain fell back to the Python chain")
-
-    monkeypatch.setattr(native_chain, "domino_chain", refuse)
+    refuse_fallback(monkeypatch, native_chain, "domino_chain", "chain")
 
 
 def brute_force_chain(head, base, hidden, embed, root, prefix_len, ids=None):
