@@ -117,7 +117,8 @@ def test_domino_generation_with_each_chain_is_plain_decoding(tiny_target, tmp_pa
     prompt = [5, 9, 11, 3, 40]
     kw = {}
     if draft_vocab:
-        kw = dict(draft_vocab=draft_vocab, corr_topm=16, draft_vocab_source=shard_dir(tmp_path / "s", [list(range(1, VOCAB, 2)) * 3]))
+        source = shard_dir(tmp_path / "s", [list(range(1, VOCAB, 2)) * 3])
+        kw = dict(draft_vocab=draft_vocab, corr_topm=16, draft_vocab_source=source)
     want = dt.generate(tiny_target, None, prompt, method="ar", max_new_tokens=24).token_ids
     runs = {b: dt.generate(tiny_target, drafter, prompt, method="domino", builder=b, max_new_tokens=24, **kw)
             for b in ("native", "fast", "reference")}

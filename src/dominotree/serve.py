@@ -380,9 +380,9 @@ def main(args) -> int:
     target = dt.load_target(args.model, dtype=args.dtype, pack=pack, gqa=not args.no_gqa,
                             lean=not args.no_lean_target)
     drafter = None if args.method == "ar" else dt.load_drafter(args.drafter, target=target, pack=pack)
-    if args.method in ("dominotree", "condadaptive"):
+    if args.method in ("domino", "dominotree", "condadaptive"):
         from .trees import native
-        native.load()   # compile the native tree builder (first run only) before the first request
+        native.load()   # compile the native library (first run only) before the first request
     name = os.path.basename(os.path.normpath(args.model)) if os.path.isdir(args.model) else args.model
     app = create_app(target, drafter, args.method, name, lookup=args.lookup, lookup_store=args.lookup_store,
                      draft_vocab=args.draft_vocab, draft_vocab_source=args.draft_vocab_source)

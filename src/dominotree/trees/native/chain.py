@@ -20,6 +20,8 @@ from ..topk import topk_rows
 from ..tree import DraftTree
 from . import load, status
 
+NO_IDS = torch.empty(0, dtype=torch.long)
+
 
 def chain_columns(logits: torch.Tensor, hidden: torch.Tensor, ids: torch.Tensor | None, weights: HeadWeights,
                   bound: W2Bound, embed: torch.Tensor, root_token: int, prefix_len: int, depth: int,
@@ -30,14 +32,15 @@ def chain_columns(logits: torch.Tensor, hidden: torch.Tensor, ids: torch.Tensor 
         raise RuntimeError(f"the native Domino chain is unavailable: {status()}")
     logits = logits[:depth].float().contiguous()
     w2, u, res_norms = bound.columns(ids)
-    col_ids = ids if ids is not None else torch.arange(logits.shape[1])
+    # no ids: the columns are the token ids (the C++ side reads an empty tensor so, no arange per round)
+    col_ids = ids if ids is not None else NO_IDS
     cands = topk_rows(logits, min(topm, logits.shape[1]))[1]
     table = weights.table_for(embed)
     cols, logps, scored = torch.ops.dominotree_native.domino_chain(
         logits, cands, hidden[:depth].float(), weights.w1_h, weights.s_proj, w2, u, res_norms, bound.p,
         col_ids, table.table, table.ready, embed, weights.w_ih, table.block,
         kept_root_row(weights, embed, root_token), int(prefix_len), int(depth))
-    return col_ids[cols].tolist(), logps, scored
+    return (cols if ids is None else ids[cols]).tolist(), logps, scored
 
 
 def domino_chain_native(drafter, draft, root_token: int, target, depth: int, topm: int = 64) -> DraftTree:

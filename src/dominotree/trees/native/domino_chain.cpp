@@ -36,7 +36,8 @@ inline float dot(const float* a, const float* b, int64_t n) {
 // base [D, N] float32 logits (N: every token, or a draft vocabulary's columns); cands [D, M] the
 // columns of each row's top-M (the log-prob labels are normalised over them); hidden [D, h];
 // w2 [N, r], u [N, k], res_norms [N]: W2Bound's split restricted to the columns;
-// p [r, k]; col_ids [N] the token id of each column; the GRU input table as the builder's.
+// p [r, k]; col_ids [N] the token id of each column (empty: the column is the token id); the GRU
+// input table as the builder's.
 // Returns (columns [depth], log-prob labels [depth] float32, exactly scored columns [depth]).
 std::tuple<Tensor, Tensor, Tensor> chain(
     const Tensor& base, const Tensor& cands, const Tensor& hidden, const Tensor& w1_h, const Tensor& s_proj,
@@ -49,7 +50,7 @@ std::tuple<Tensor, Tensor, Tensor> chain(
   TORCH_CHECK(depth <= base.size(0) && depth <= hidden.size(0), "domino_chain: depth beyond the draft");
   const int64_t N = base.size(1), M = cands.size(1), r = w2.size(1), k = p.size(1), G = s_proj.size(1);
   TORCH_CHECK(w2.size(0) == N && u.size(0) == N && res_norms.size(0) == N &&
-                  col_ids.size(0) == N && u.size(1) == k && p.size(0) == r,
+                  (col_ids.numel() == 0 || col_ids.size(0) == N) && u.size(1) == k && p.size(0) == r,
               "domino_chain: the head's columns do not match the logits");
   for (const Tensor* t : {&w2, &u, &res_norms, &p})
     TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous(), "domino_chain: float32 contiguous weights");
@@ -110,7 +111,8 @@ std::tuple<Tensor, Tensor, Tensor> chain(
     }
     cols[d] = best_col;
     if (d + 1 < depth) {                         // the state after this depth's token
-      Tensor gi = dominotree_native::input_rows({ids.data_ptr<int64_t>()[best_col]}, table, ready, embed, w_ih, block);
+      const int64_t token = ids.numel() ? ids.data_ptr<int64_t>()[best_col] : best_col;
+      Tensor gi = dominotree_native::input_rows({token}, table, ready, embed, w_ih, block);
       Tensor state = dominotree_native::gru(gi, row.index({Slice(), Slice(r, r + 3 * G)}),
                                             row.index({Slice(), Slice(r + 3 * G)}), G);
       row = dominotree_native::node_rows(state, s_proj);
