@@ -147,3 +147,21 @@ def test_copies_and_pickles_remake_the_lean_path(tiny_target):
         assert clone._lean_kept is None and clone.lean() is not None
         b = dt.generate(tiny_target, clone, [1, 5, 6, 9], method="dominotree", max_new_tokens=16, budget=6)
         assert a.token_ids == b.token_ids
+
+
+def test_a_request_checks_the_weights_once(tiny_target, monkeypatch):
+    import dominotree.drafters.lean as lean_mod
+    d = packed_drafter(domino=True)
+    calls = []
+    real = lean_mod.state_key
+    monkeypatch.setattr(lean_mod, "state_key", lambda b: calls.append(1) or real(b))
+    r = dt.generate(tiny_target, d, [1, 7, 8], method="dominotree", max_new_tokens=24, budget=6)
+    assert r.stats["rounds"] > 3 and len(calls) == 1
+    first = d._lean_now()
+    with torch.no_grad():                   # changed in place: seen from the next request on
+        d.backbone.layers[0].self_attn.k_proj.weight.mul_(0.5)
+    assert d._lean_now() is first
+    d.reset()
+    assert d._lean_now() is not first
+    a, b = both_paths(d, tiny_target, [1, 5, 6, 7], rounds=3)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))

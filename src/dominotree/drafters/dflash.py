@@ -305,7 +305,7 @@ class DFlashDrafter:
 
     def __getstate__(self):
         # the lean path holds opaque oneDNN tensors (nothing to copy or pickle): a copy remakes it
-        return {**self.__dict__, "_lean_kept": None}
+        return {**self.__dict__, "_lean_kept": None, "_request_lean": None}
 
     @property
     def target_layer_ids(self) -> list[int]:
@@ -327,6 +327,7 @@ class DFlashDrafter:
         self._ctx_kv = None
         self._last_ctx = None     # projected context of the last position (anchor fusion)
         self.ctx_len = 0
+        self._request_lean = None   # (use_lean, lean path) as checked at this request's first call
 
     def check_fits(self, target) -> None:
         from .checkpoint import check_fits
@@ -341,7 +342,7 @@ class DFlashDrafter:
         if n == 0:
             return
         ctx = self.backbone.project_context(features[None].to(self.dtype))
-        lean = self.lean() if n <= MAX_PACKED_ROWS else None   # a prompt's rows take the plain kernels
+        lean = self._lean_now() if n <= MAX_PACKED_ROWS else None   # a prompt's rows take the plain kernels
         if lean is not None:
             new = lean.context_kv(ctx, start)
         else:
@@ -363,7 +364,7 @@ class DFlashDrafter:
         ids = torch.full((b,), self.config.mask_token_id, dtype=torch.long)
         ids[0] = root
         emb = target.embed(ids)[None].to(self.dtype)
-        lean = self.lean()
+        lean = self._lean_now()
         if lean is not None:
             return lean.forward(emb, start, self._ctx_kv)[0]
         pos = torch.arange(start, start + b)[None]
@@ -377,6 +378,14 @@ class DFlashDrafter:
         from .lean import lean_for
         self._lean_kept = lean_for(self.backbone, self._lean_kept)
         return self._lean_kept
+
+    def _lean_now(self):
+        """`lean()` as it was at this request's first call. Checking the weights' state costs ~0.4 ms
+        (a key over every parameter), twice a round; like the target, a request checks it once, so
+        weights changed in place take effect from the next `reset`."""
+        if self._request_lean is None or self._request_lean[0] != self.use_lean:
+            self._request_lean = (self.use_lean, self.lean())
+        return self._request_lean[1]
 
     @torch.inference_mode()
     def draft(self, root: int, start: int, target, depths: int | None = None, vocab=None) -> DraftOutput:
