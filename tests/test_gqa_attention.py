@@ -5,6 +5,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import dominotree as dt
 import dominotree.gqa_attention as gqa
+from dominotree import tree_attention
 from conftest import random_drafter, tiny_config_kwargs
 from dominotree.gqa_attention import NAME, applies, stock_attention, use_gqa_attention
 from dominotree.trees.tree import DraftTree
@@ -63,12 +64,16 @@ def test_prefill_step_and_tree_verify_give_stock_logits(pairs, dtype, calls):
     outs = []
     for t in (stock, packed):
         calls.clear()
+        # SDPA's verify (the tree-attention kernel has its own tests: tests/test_tree_attention.py)
+        stack = tree_attention.reference_attention()
+        stack.__enter__()
         t.set_taps([1, 2])
         pre = t.prefill(prompt)
         ver = t.verify(tree)
         t.commit([0, 2, 6])
         step = t.verify(chain)
         t.commit([0])
+        stack.__exit__(None, None, None)
         outs.append((pre, ver, step))
     for a, b in zip(*outs):
         _same(a.logits, b.logits, dtype)

@@ -16,6 +16,7 @@ from pathlib import Path
 from ..drafters.lean import module_path
 from ..gqa_attention import stock_attention
 from ..lean_target import transformers_forward
+from ..tree_attention import reference_attention, status as tree_attention_status
 from ..trees.native import status as native_status
 from ..machine import machine_info
 from ..packed import packing
@@ -106,7 +107,7 @@ def main(args) -> int:
     out.mkdir(parents=True, exist_ok=True)
     cost_model = ensure_cost_model(args, target, drafters, specs, out)
     info = {"command": command_line(args), "model": args.model, "packed": target.packed,
-            "gqa_attention": target.gqa_attention, "lean_target": target.lean,
+            "gqa_attention": target.gqa_attention, "lean_target": target.lean, "tree_attention": tree_attention_status(),
             "lean_drafters": sorted(k for k, d in drafters.items() if d.lean() is not None),
             "tree_builder": native_status() if "domino" in drafters else None,
             "cost_model": cost_model, "tie_tol": args.tie_tol, "reference": args.reference, "machine": machine_info(),
@@ -264,6 +265,8 @@ def run_one(target, drafters, spec, prompt: Prompt, temperature: float, cost_mod
                 stack.enter_context(module_path(drafter))
             if not spec.lean_target:   # ... of the target's lean path
                 stack.enter_context(transformers_forward(target))
+            if not spec.tree_attention:   # ... of the tree-attention kernel
+                stack.enter_context(reference_attention())
             t0 = time.perf_counter()
             res = dt.generate(target, drafter, prompt.text, method=spec.method, max_new_tokens=n,
                               temperature=temperature, seed=args.seed, **opts)
