@@ -65,15 +65,13 @@ def test_prefill_step_and_tree_verify_give_stock_logits(pairs, dtype, calls):
     for t in (stock, packed):
         calls.clear()
         # SDPA's verify (the tree-attention kernel has its own tests: tests/test_tree_attention.py)
-        stack = tree_attention.reference_attention()
-        stack.__enter__()
-        t.set_taps([1, 2])
-        pre = t.prefill(prompt)
-        ver = t.verify(tree)
-        t.commit([0, 2, 6])
-        step = t.verify(chain)
-        t.commit([0])
-        stack.__exit__(None, None, None)
+        with tree_attention.reference_attention():
+            t.set_taps([1, 2])
+            pre = t.prefill(prompt)
+            ver = t.verify(tree)
+            t.commit([0, 2, 6])
+            step = t.verify(chain)
+            t.commit([0])
         outs.append((pre, ver, step))
     for a, b in zip(*outs):
         _same(a.logits, b.logits, dtype)

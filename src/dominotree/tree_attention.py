@@ -19,7 +19,6 @@ CPUs torch's kernel runs on AMX tiles, which were not measured against it.
 """
 from __future__ import annotations
 
-import hashlib
 import math
 import os
 import warnings
@@ -27,6 +26,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+
+from .extensions import compile_extension, failure_reason
 
 SOURCE = Path(__file__).with_name("tree_attention.cpp")
 HEAD_SIZES = (16, 32, 64, 128)
@@ -53,24 +54,14 @@ def wanted() -> bool:
     return env in ("1", "true", "on") or "amx_bf16" not in flags
 
 
-def _build_dir() -> Path:
-    from .models import cache_dir
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + torch.__version__.encode()).hexdigest()[:16]
-    return cache_dir() / "tree_attention" / key
-
-
 def _load():
     if not _state["tried"]:
         _state["tried"] = True
         try:
-            from torch.utils import cpp_extension
-            build = _build_dir()
-            build.mkdir(parents=True, exist_ok=True)
-            _state["module"] = cpp_extension.load(
-                name="dominotree_tree_attention", sources=[str(SOURCE)], extra_cflags=FLAGS,
-                extra_ldflags=["-fopenmp"], build_directory=str(build), verbose=False)
+            _state["module"] = compile_extension("dominotree_tree_attention", "tree_attention", [SOURCE],
+                                                 cflags=FLAGS, ldflags=["-fopenmp"])
         except Exception as exc:   # no compiler, no ninja, an old one without -mavx512bf16: SDPA runs
-            _state["error"] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1:]}"
+            _state["error"] = failure_reason(exc)
             warnings.warn(f"dominotree: the tree attention kernel is unavailable ({_state['error']}); "
                           "tree verifies use SDPA (same outputs up to rounding, slower)", RuntimeWarning, stacklevel=3)
     return _state["module"]
@@ -93,25 +84,23 @@ def status() -> str:
 
 
 @contextmanager
+def _switched(on: bool):
+    before = _state["enabled"]
+    _state["enabled"] = on
+    try:
+        yield
+    finally:
+        _state["enabled"] = before
+
+
 def reference_attention():
     """Run tree verifies on SDPA inside this block (an A/B, or the reference in tests)."""
-    before = _state["enabled"]
-    _state["enabled"] = False
-    try:
-        yield
-    finally:
-        _state["enabled"] = before
+    return _switched(False)
 
 
-@contextmanager
 def kernel_attention():
     """Use the kernel inside this block wherever the CPU can run it (tests on AMX CPUs)."""
-    before = _state["enabled"]
-    _state["enabled"] = "avx512_bf16" in cpu_flags()
-    try:
-        yield
-    finally:
-        _state["enabled"] = before
+    return _switched("avx512_bf16" in cpu_flags())
 
 
 def applies(q: torch.Tensor, k: torch.Tensor, mask) -> bool:

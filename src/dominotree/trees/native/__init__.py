@@ -17,13 +17,13 @@ embedding module, corr_topm < node_topk), `build_dominotree_native` runs the Pyt
 """
 from __future__ import annotations
 
-import hashlib
 import os
 import warnings
 from pathlib import Path
 
 import torch
 
+from ...extensions import compile_extension, failure_reason
 from ..tree import DraftTree
 from ..dominotree import ThroughputStop, depth_candidates
 from ..fast import HeadWeights, build_dominotree_fast, kept_root_row
@@ -35,13 +35,6 @@ NATIVE_LOOKAHEAD = 4
 _state: dict = {"loaded": None, "error": None}    # loaded: None = not tried, True / False
 
 
-def _build_dir() -> Path:
-    from ...models import cache_dir
-    code = b"".join(f.read_bytes() for f in SOURCES + HEADERS)
-    key = hashlib.sha256(code + torch.__version__.encode()).hexdigest()[:16]
-    return cache_dir() / "native" / key
-
-
 def load() -> bool:
     """Compile (first time) and load the native builder; False, with the reason in status(), if it
     cannot be."""
@@ -51,14 +44,10 @@ def load() -> bool:
         _state.update(loaded=False, error="disabled by DOMINOTREE_NATIVE=0")
         return False
     try:
-        from torch.utils import cpp_extension
-        build_dir = _build_dir()
-        build_dir.mkdir(parents=True, exist_ok=True)
-        cpp_extension.load(name="dominotree_native", sources=[str(f) for f in SOURCES], extra_cflags=["-O3"],
-                           build_directory=str(build_dir), is_python_module=False, verbose=False)
+        compile_extension("dominotree_native", "native", SOURCES, HEADERS, is_python_module=False)
         _state.update(loaded=True, error=None)
     except Exception as exc:   # no compiler, no ninja, a broken toolchain: the Python builder runs
-        _state.update(loaded=False, error=f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1:]}")
+        _state.update(loaded=False, error=failure_reason(exc))
         warnings.warn(f"dominotree: the native tree builder is unavailable ({_state['error']}); "
                       "using the Python fast builder (same trees, slower)", RuntimeWarning, stacklevel=2)
     return _state["loaded"]
