@@ -78,8 +78,8 @@ def _pack(*linears) -> torch.Tensor:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """LlamaRMSNorm: normalised in float32, scaled in the input dtype."""
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    h = x.float()       # in-place where the value is a temporary: the same ops, fewer buffers
+    h = h * h.pow(2).mean(-1, keepdim=True).add_(eps).rsqrt_()
     return weight * h.to(x.dtype)
 
 
@@ -133,11 +133,14 @@ class LeanLlama:
         wanted, feats = set(taps), {}
         for i, (w, held) in enumerate(zip(self.layers, cache.layers)):
             qkv = packed_linear(rms_norm(x, w["norm1"], self.eps), w["qkv"])
-            q, k = qkv[..., :H * hd].view(1, n, H, hd), qkv[..., H * hd:(H + Hkv) * hd].view(1, n, Hkv, hd)
             q_norm, k_norm = w["head_norms"]
-            if q_norm is not None:
+            if q_norm is None:      # queries and keys rotated in one pass: the same elementwise ops
+                qk = rotate(qkv[..., :(H + Hkv) * hd].view(1, n, H + Hkv, hd).transpose(1, 2), cos, sin)
+                q, k = qk[:, :H], qk[:, H:]
+            else:
+                q, k = qkv[..., :H * hd].view(1, n, H, hd), qkv[..., H * hd:(H + Hkv) * hd].view(1, n, Hkv, hd)
                 q, k = rms_norm(q, q_norm, self.eps), rms_norm(k, k_norm, self.eps)
-            q, k = rotate(q.transpose(1, 2), cos, sin), rotate(k.transpose(1, 2), cos, sin)
+                q, k = rotate(q.transpose(1, 2), cos, sin), rotate(k.transpose(1, 2), cos, sin)
             v = qkv[..., (H + Hkv) * hd:].view(1, n, Hkv, hd).transpose(1, 2)
             held.keys = torch.cat([held.keys, k], -2)        # as DynamicCache.update does
             held.values = torch.cat([held.values, v], -2)
@@ -148,7 +151,7 @@ class LeanLlama:
                 out, _ = attention(w["attn"], q, held.keys, held.values, mask, dropout=0.0, scaling=w["attn"].scaling)
             x = x + packed_linear(out.reshape(1, n, H * hd), w["o"])
             gate_up = packed_linear(rms_norm(x, w["norm2"], self.eps), w["gate_up"])
-            x = x + packed_linear(F.silu(gate_up[..., :self.inter]) * gate_up[..., self.inter:], w["down"])
+            x = x + packed_linear(F.silu(gate_up[..., :self.inter]).mul_(gate_up[..., self.inter:]), w["down"])
             if i in wanted:
                 feats[i] = x[0]
         x = rms_norm(x, m.norm.weight, self.eps)[0]
