@@ -3,7 +3,7 @@
   python scripts/step_breakdown.py [--model smollm2-135m] [--context 390] [--nodes 16] [--reps 40]
 
 Times, as medians of interleaved repetitions on a cache of --context tokens: the whole step
-(a verify, rolled back) with one node and with --nodes nodes; the same with every packed linear's output
+(a verify, rolled back after) with one node and with --nodes nodes; the same with every packed linear's output
 replayed from a first call (what is left is the step's glue: norms, rotary, attention, the LM head,
 Python); and the LM head alone. The difference between the two says what the linears cost at
 each row count: on a 2-core CPU they are memory-bound at one row, so a 16-node verify's growth over
@@ -19,6 +19,7 @@ import torch
 
 import dominotree as dt
 import dominotree.lean_target as lean_target
+from dominotree.trees.caddtree import _timed_verify
 from dominotree.trees.tree import DraftTree
 
 
@@ -37,10 +38,6 @@ def main() -> None:
     tree = DraftTree.from_lists(list(range(5, 5 + args.nodes)), [-1] + list(range(args.nodes - 1)))
     hidden = torch.randn(args.nodes, target.model.config.hidden_size).to(target.dtype)
 
-    def step(t):                    # a verify, then dropped: every repetition sees the same cache
-        target.verify(t, features=False)
-        target.rollback()
-
     real = lean_target.packed_linear
     replayed: dict = {}
 
@@ -50,22 +47,26 @@ def main() -> None:
             replayed[key] = real(x, w, b)
         return replayed[key]
 
+    def timed(fn) -> float:
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
+
+    # a verify is timed and rolled back (the profiler's own timer): every repetition sees the same cache
     cases = {
-        "step, 1 node": lambda: step(one),
-        f"step, {args.nodes} nodes": lambda: step(tree),
-        "glue, 1 node": lambda: step(one),
-        f"glue, {args.nodes} nodes": lambda: step(tree),
-        "lm_head, 1 row": lambda: target.lm_head(hidden[:1]),
-        f"lm_head, {args.nodes} rows": lambda: target.lm_head(hidden),
+        "step, 1 node": lambda: _timed_verify(target, one, args.context, False),
+        f"step, {args.nodes} nodes": lambda: _timed_verify(target, tree, args.context, False),
+        "glue, 1 node": lambda: _timed_verify(target, one, args.context, False),
+        f"glue, {args.nodes} nodes": lambda: _timed_verify(target, tree, args.context, False),
+        "lm_head, 1 row": lambda: timed(lambda: target.lm_head(hidden[:1])),
+        f"lm_head, {args.nodes} rows": lambda: timed(lambda: target.lm_head(hidden)),
     }
     times = {name: [] for name in cases}
     with torch.inference_mode():
         for _ in range(args.reps):
             for name, fn in cases.items():   # interleaved: drift hits every case alike
                 lean_target.packed_linear = replay if name.startswith("glue") else real
-                t0 = time.perf_counter()
-                fn()
-                times[name].append((time.perf_counter() - t0) * 1e3)
+                times[name].append(fn())
         lean_target.packed_linear = real
     if target._lean is None:
         print("note: the lean target path is off here, so 'glue' rows include the products")
