@@ -1,4 +1,4 @@
-"""`dominotree train data | subset | features | dflash | domino | eval | all`: the reproducible drafter recipe.
+"""`dominotree train data | subset | features | dflash | domino | average | eval | all`: the reproducible drafter recipe.
 
 `train all` runs every stage for the embedded target with the defaults below and copies the
 final drafters to checkpoints/. Each stage resumes where it stopped."""
@@ -162,6 +162,11 @@ def add_train_parser(sub) -> None:
     e.add_argument("--draft-vocab-source", default="train-data", help="responses that rank them (see generate)")
     e.add_argument("--out", default=None, help="write the rows and the table as JSON here")
 
+    v = ts.add_parser("average", help="the weighted mean of checkpoints from one training lineage")
+    v.add_argument("--drafters", required=True, help="comma list of bundled names or checkpoint dirs")
+    v.add_argument("--weights", default=None, help="comma list, one per drafter (default: equal)")
+    v.add_argument("--out", required=True, help="the averaged checkpoint's directory")
+
     a = ts.add_parser("all", help="data -> features -> dflash -> domino -> checkpoints/")
     common(a)
     a.add_argument("--num-prompts", type=int, default=12000)
@@ -237,6 +242,16 @@ def run_train(args, name: str, target=None):
     return Path(tc.out) / "model"
 
 
+def run_average(args) -> Path:
+    from ..models import resolve_drafter
+    from .average import average_checkpoints
+    names = [n for n in args.drafters.split(",") if n]
+    weights = [float(w) for w in args.weights.split(",")] if args.weights else [1.0] * len(names)
+    out = average_checkpoints([resolve_drafter(n) for n in names], weights, Path(args.out))
+    print(f"{out}: the mean of {', '.join(names)} with weights {weights}")
+    return out
+
+
 def main(args) -> int:
     if args.stage == "data":
         run_data(args)
@@ -247,6 +262,8 @@ def main(args) -> int:
         print(f"{data}: {len(ids)} shards of {Path(args.workdir) / 'data'}")
     elif args.stage == "features":
         run_features(args)
+    elif args.stage == "average":
+        run_average(args)
     elif args.stage == "eval":
         from .evaluate import main as eval_main
         return eval_main(args)
