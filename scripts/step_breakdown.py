@@ -54,10 +54,10 @@ def main() -> None:
 
     # a verify is timed and rolled back (the profiler's own timer): every repetition sees the same cache
     cases = {
-        "step, 1 node": lambda: _timed_verify(target, one, args.context, False),
-        f"step, {args.nodes} nodes": lambda: _timed_verify(target, tree, args.context, False),
-        "glue, 1 node": lambda: _timed_verify(target, one, args.context, False),
-        f"glue, {args.nodes} nodes": lambda: _timed_verify(target, tree, args.context, False),
+        "step, 1 node": lambda: _timed_verify(target, one, False),
+        f"step, {args.nodes} nodes": lambda: _timed_verify(target, tree, False),
+        "glue, 1 node": lambda: _timed_verify(target, one, False),
+        f"glue, {args.nodes} nodes": lambda: _timed_verify(target, tree, False),
         "lm_head, 1 row": lambda: timed(lambda: target.lm_head(hidden[:1])),
         f"lm_head, {args.nodes} rows": lambda: timed(lambda: target.lm_head(hidden)),
     }

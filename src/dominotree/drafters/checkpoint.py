@@ -28,6 +28,26 @@ def build_drafter(cfg: DrafterConfig, name: str = "drafter"):
 
 def load_checkpoint(path: Path, dtype: torch.dtype | None = None, name: str | None = None, pack: bool = True):
     path = Path(path)
+    raw = read_raw_config(path)
+    try:
+        cfg = DrafterConfig.from_hf_dict(raw)
+    except (KeyError, ValueError, TypeError) as e:
+        raise DrafterLoadError(f"{path / 'config.json'}: incomplete drafter config ({e})") from e
+    state = read_state(path)
+    state = {k.removeprefix("model."): v for k, v in state.items()}
+    drafter = build_drafter(cfg, name or path.name)
+    _load_state(drafter, state, path / "model.safetensors")
+    if dtype is not None:
+        drafter.to(dtype=dtype)
+    if pack:   # bf16 on CPU only; the same logits
+        pack_linears(drafter.backbone)
+        if hasattr(drafter, "head"):
+            pack_linears(drafter.head)
+    return drafter
+
+
+def read_raw_config(path: Path) -> dict:
+    """A DFlash/Domino checkpoint directory's config.json as a dict (clear errors for anything else)."""
     cfg_file, weights = path / "config.json", path / "model.safetensors"
     if not cfg_file.is_file():
         raise DrafterLoadError(f"{path}: no config.json (expected a DFlash/Domino checkpoint directory)")
@@ -40,24 +60,16 @@ def load_checkpoint(path: Path, dtype: torch.dtype | None = None, name: str | No
     archs = raw.get("architectures") or []
     if not any(a in ("DFlashDraftModel", "DominoDraftModel") for a in archs):
         raise DrafterLoadError(f"{cfg_file}: architectures {archs} is not DFlashDraftModel/DominoDraftModel")
+    return raw
+
+
+def read_state(path: Path) -> dict[str, torch.Tensor]:
+    """A checkpoint directory's tensors, as stored."""
+    weights = path / "model.safetensors"
     try:
-        cfg = DrafterConfig.from_hf_dict(raw)
-    except (KeyError, ValueError, TypeError) as e:
-        raise DrafterLoadError(f"{cfg_file}: incomplete drafter config ({e})") from e
-    try:
-        state = load_file(str(weights))
+        return load_file(str(weights))
     except (SafetensorError, OSError, RuntimeError) as e:
         raise DrafterLoadError(f"{weights}: corrupt or unreadable safetensors file ({e})") from e
-    state = {k.removeprefix("model."): v for k, v in state.items()}
-    drafter = build_drafter(cfg, name or path.name)
-    _load_state(drafter, state, weights)
-    if dtype is not None:
-        drafter.to(dtype=dtype)
-    if pack:   # bf16 on CPU only; the same logits
-        pack_linears(drafter.backbone)
-        if hasattr(drafter, "head"):
-            pack_linears(drafter.head)
-    return drafter
 
 
 def _load_state(drafter, state: dict, where: Path) -> None:

@@ -10,11 +10,9 @@ import json
 import shutil
 from pathlib import Path
 
-import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
-from ..drafters import DrafterLoadError
+from ..drafters.checkpoint import read_raw_config, read_state
 
 
 def average_checkpoints(dirs: list[Path], weights: list[float], out: Path) -> Path:
@@ -26,12 +24,12 @@ def average_checkpoints(dirs: list[Path], weights: list[float], out: Path) -> Pa
         raise ValueError(f"{len(weights)} weights for {len(dirs)} checkpoints")
     if any(w < 0 for w in weights) or sum(weights) <= 0:
         raise ValueError(f"weights must be non-negative with a positive sum, got {weights}")
-    configs = [_config(d) for d in dirs]
+    configs = [read_raw_config(d) for d in dirs]
     for d, cfg in zip(dirs[1:], configs[1:]):
         if cfg != configs[0]:
             diff = sorted(k for k in set(cfg) | set(configs[0]) if cfg.get(k) != configs[0].get(k))
             raise ValueError(f"{d}: config differs from {dirs[0]}'s in {diff}; only one architecture averages")
-    states = [_weights(d) for d in dirs]
+    states = [read_state(d) for d in dirs]
     first = states[0]
     for d, sd in zip(dirs[1:], states[1:]):
         if sd.keys() != first.keys():
@@ -50,20 +48,3 @@ def average_checkpoints(dirs: list[Path], weights: list[float], out: Path) -> Pa
         {"checkpoints": [str(d) for d in dirs], "weights": list(weights)}, indent=2))
     return out
 
-
-def _config(d: Path) -> dict:
-    try:
-        return json.loads((d / "config.json").read_text())
-    except FileNotFoundError:
-        raise DrafterLoadError(f"{d}: no config.json (expected a DFlash/Domino checkpoint directory)") from None
-    except json.JSONDecodeError as e:
-        raise DrafterLoadError(f"{d / 'config.json'}: not valid JSON ({e})") from e
-
-
-def _weights(d: Path) -> dict[str, torch.Tensor]:
-    try:
-        return load_file(d / "model.safetensors")
-    except FileNotFoundError:
-        raise DrafterLoadError(f"{d}: no model.safetensors") from None
-    except (SafetensorError, OSError) as e:
-        raise DrafterLoadError(f"{d / 'model.safetensors'}: unreadable ({e})") from e

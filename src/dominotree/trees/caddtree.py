@@ -117,7 +117,7 @@ def profile(target, drafter, max_nodes: int = 64, contexts=(128, 512, 1024), rep
         # every tree size is a new shape); an unwarmed size's median would carry that one-off cost, and
         # the monotone fit would spread a slow small size over every larger one
         for tree in trees.values():
-            _timed_verify(target, tree, ctx, features)
+            _timed_verify(target, tree, features)
         # one pass over every n per repeat: a burst of load from elsewhere hits one sample of many
         # sizes (which the median drops), not every sample of a few sizes (which it cannot); a draft
         # is timed before each verify, so its samples are spread over the whole profile the same way
@@ -125,7 +125,7 @@ def profile(target, drafter, max_nodes: int = 64, contexts=(128, 512, 1024), rep
             for n, tree in trees.items():
                 if features:
                     draft_times.append(_timed_draft(drafter, last, ctx, target, vocab))
-                samples[ctx][n].append(_timed_verify(target, tree, ctx, features))
+                samples[ctx][n].append(_timed_verify(target, tree, features))
                 bar.update()
     bar.close()
     target.reset()
@@ -140,8 +140,8 @@ def _timed_draft(drafter, last_token: int, ctx: int, target, vocab=None) -> floa
     return (time.perf_counter() - t0) * 1e3
 
 
-def _timed_verify(target, tree: DraftTree, ctx: int, features: bool) -> float:
-    """ms of one tree verify at context length ctx; the target is put back to ctx tokens after."""
+def _timed_verify(target, tree: DraftTree, features: bool) -> float:
+    """ms of one tree verify; the target is put back as it was after (the verify is rolled back)."""
     t0 = time.perf_counter()
     target.verify(tree, features=features)
     ms = (time.perf_counter() - t0) * 1e3
