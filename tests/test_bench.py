@@ -11,7 +11,7 @@ import dominotree.engine
 import dominotree.bench.equality as equality
 from dominotree.bench.equality import first_divergence
 from dominotree.bench.methods import PRESETS, expand_methods, parse_method
-from dominotree.bench.metrics import bootstrap_ci, wilcoxon_p
+from dominotree.bench.metrics import bootstrap_ci, paired_ratio_ci, wilcoxon_p
 from dominotree.cli import main as cli_main
 from dominotree.drafters import save_checkpoint
 from dominotree.machine import describe
@@ -188,6 +188,22 @@ def test_bootstrap_ci_contains_the_mean_and_is_deterministic():
     assert lo < x.mean() < hi
     assert bootstrap_ci(x) == (lo, hi)
     assert bootstrap_ci([2.0]) == (2.0, 2.0)
+
+
+def test_paired_ratio_ci_cancels_what_the_pairs_share():
+    rng = np.random.default_rng(2)
+    a = rng.lognormal(0.7, 0.5, size=40)              # prompts that differ a lot in difficulty
+    b = 1.1 * a * rng.normal(1, 0.02, size=40)         # the same prompts, 10% easier for b
+    ratio, lo, hi = paired_ratio_ci(a, b)
+    assert ratio == pytest.approx(b.mean() / a.mean())
+    assert 1.08 < lo < ratio < hi < 1.12               # paired: the difficulty spread cancels
+    assert paired_ratio_ci(a, b) == (ratio, lo, hi)    # seeded
+    # negative control: the same values with the pairing broken give a CI as wide as the spread
+    _, lo_u, hi_u = paired_ratio_ci(a, rng.permutation(b))
+    assert hi_u - lo_u > 5 * (hi - lo)
+    assert paired_ratio_ci([2.0], [3.0]) == (1.5, 1.5, 1.5)
+    with pytest.raises(ValueError, match="paired"):
+        paired_ratio_ci([1.0, 2.0], [1.0])
 
 
 def test_wilcoxon_separates_clearly_different_samples():

@@ -346,7 +346,7 @@ def test_eval_reports_held_out_tau_per_dataset(tiny_target):
     from conftest import random_drafter
     from helpers import ScriptedDrafter, reference_sequence
     from dominotree.bench.datasets import Prompt
-    from dominotree.train.evaluate import evaluate, markdown
+    from dominotree.train.evaluate import comparisons, evaluate, markdown
     prompts = [Prompt("a", "a0", "x", "Tell me a story."), Prompt("b", "b0", "y", "Count to ten.")]
     base = random_drafter(False, seed=3)
     # an oracle for the first prompt only: right everywhere there, wrong on the second
@@ -360,6 +360,14 @@ def test_eval_reports_held_out_tau_per_dataset(tiny_target):
     assert abs(tau["oracle", "all"] - (tau["oracle", "a"] + tau["oracle", "b"]) / 2) < 1e-9
     table = markdown(rows)
     assert "| oracle | dflash |" in table and "| random | dflash |" in table
+    # per-prompt taus in prompt order, paired across drafters: the comparison is their ratio
+    by = {(r["drafter"], r["dataset"]): r for r in rows}
+    assert by["oracle", "all"]["taus"] == by["oracle", "a"]["taus"] + by["oracle", "b"]["taus"]
+    pairs = {c["dataset"]: c for c in comparisons(rows)}
+    assert set(pairs) == {"a", "b", "all"} and all(c["versus"] == "oracle" for c in pairs.values())
+    assert pairs["all"]["ratio"] == pytest.approx(tau["random", "all"] / tau["oracle", "all"])
+    assert pairs["a"]["ratio"] < 0.5 and pairs["a"]["ci_lo"] <= pairs["a"]["ratio"] <= pairs["a"]["ci_hi"]
+    assert "| random | oracle | all | 2 |" in table
 
 
 def test_target_init_starts_draft_layers_as_the_targets_last_layers(tiny_target):

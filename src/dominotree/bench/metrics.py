@@ -27,6 +27,23 @@ def bootstrap_ci(values, n_boot: int = 2000, level: float = 0.95, seed: int = 0)
     return float(lo), float(hi)
 
 
+def paired_ratio_ci(a, b, n_boot: int = 2000, level: float = 0.95, seed: int = 0) -> tuple[float, float, float]:
+    """mean(b) / mean(a) over paired samples, with a percentile bootstrap CI that resamples the pairs
+    together (so what the two share, e.g. how hard a prompt is, cancels); seeded, so deterministic."""
+    x, y = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    if x.shape != y.shape or x.ndim != 1:
+        raise ValueError(f"paired_ratio_ci needs two paired 1-D samples, got shapes {x.shape} and {y.shape}")
+    if len(x) == 0 or x.sum() == 0:
+        return math.nan, math.nan, math.nan
+    ratio = float(y.mean() / x.mean())
+    if len(x) == 1:
+        return ratio, ratio, ratio
+    idx = np.random.default_rng(seed).integers(0, len(x), size=(n_boot, len(x)))
+    ratios = y[idx].mean(axis=1) / x[idx].mean(axis=1)
+    lo, hi = np.quantile(ratios, [(1 - level) / 2, (1 + level) / 2])
+    return ratio, float(lo), float(hi)
+
+
 def wilcoxon_p(a, b) -> float | None:
     """Two-sided Wilcoxon signed-rank p-value for paired samples; None when it cannot be computed."""
     from scipy.stats import wilcoxon

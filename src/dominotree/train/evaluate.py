@@ -22,8 +22,9 @@ def chain_method(drafter, method: str) -> str:
 def evaluate(target, drafters: dict, prompts, method: str = "auto", max_new_tokens: int = 96,
              budget: int = 16, progress: bool = True, draft_vocab: int = 0,
              draft_vocab_source: str = "train-data") -> list[dict]:
-    """One row per (drafter, dataset) plus an "all" row each: mean per-prompt tau (with `draft_vocab`,
-    drafting from that many of the tokens the target writes most, as `generate` does)."""
+    """One row per (drafter, dataset) plus an "all" row each: mean per-prompt tau, and the per-prompt
+    taus in prompt order (`taus`, paired across drafters; with `draft_vocab`, drafting from that many of
+    the tokens the target writes most, as `generate` does)."""
     import dominotree as dt
     encoded = [target.encode_prompt(p.text) for p in prompts]
     rows = []
@@ -37,9 +38,10 @@ def evaluate(target, drafters: dict, prompts, method: str = "auto", max_new_toke
             taus.setdefault(p.dataset, []).append(r.stats["tau"])
             bar.update()
         for ds, t in taus.items():
-            rows.append({"drafter": name, "method": m, "dataset": ds, "tau": mean(t), "prompts": len(t)})
-        rows.append({"drafter": name, "method": m, "dataset": "all",
-                     "tau": mean(x for t in taus.values() for x in t), "prompts": sum(map(len, taus.values()))})
+            rows.append({"drafter": name, "method": m, "dataset": ds, "tau": mean(t), "prompts": len(t), "taus": t})
+        every = [x for t in taus.values() for x in t]
+        rows.append({"drafter": name, "method": m, "dataset": "all", "tau": mean(every), "prompts": len(every),
+                     "taus": every})
     bar.close()
     return rows
 
@@ -64,6 +66,25 @@ def training_prompt_slice(spec: str, seed: int = 0) -> list:
             for i, (src, text) in enumerate(allp[a:b], start=a)]
 
 
+def comparisons(rows: list[dict]) -> list[dict]:
+    """Each drafter after the first against the first, per dataset: the ratio of mean tau with a paired
+    bootstrap 95% CI over the prompts, and the Wilcoxon signed-rank p-value. A bar such as "Domino chain
+    >= 1.1x DFlash chain" is met when the CI's lower end clears it, and undecided while the CI holds it."""
+    from ..bench.metrics import paired_ratio_ci, wilcoxon_p
+    names = list(dict.fromkeys(r["drafter"] for r in rows))
+    by = {(r["drafter"], r["dataset"]): r for r in rows}
+    out = []
+    for name in names[1:]:
+        for ds in dict.fromkeys(r["dataset"] for r in rows if r["drafter"] == name):
+            ref, mine = by.get((names[0], ds)), by[name, ds]
+            if ref is None:
+                continue
+            ratio, lo, hi = paired_ratio_ci(ref["taus"], mine["taus"])
+            out.append({"drafter": name, "versus": names[0], "dataset": ds, "prompts": mine["prompts"],
+                        "ratio": ratio, "ci_lo": lo, "ci_hi": hi, "wilcoxon_p": wilcoxon_p(mine["taus"], ref["taus"])})
+    return out
+
+
 def markdown(rows: list[dict]) -> str:
     datasets = list(dict.fromkeys(r["dataset"] for r in rows))
     lines = ["| drafter | method | " + " | ".join(datasets) + " |", "|---|---|" + "---|" * len(datasets)]
@@ -72,6 +93,12 @@ def markdown(rows: list[dict]) -> str:
         method = next(iter(mine.values()))["method"]
         lines.append(f"| {name} | {method} | " + " | ".join(f"{mine[d]['tau']:.2f}" if d in mine else "-"
                                                         for d in datasets) + " |")
+    pairs = comparisons(rows)
+    if pairs:
+        lines += ["", "| drafter | / | dataset | prompts | tau ratio [95% CI] | Wilcoxon p |", "|---|---|---|---|---|---|"]
+        lines += [f"| {c['drafter']} | {c['versus']} | {c['dataset']} | {c['prompts']} | {c['ratio']:.3f}x "
+                  f"[{c['ci_lo']:.3f}, {c['ci_hi']:.3f}] | "
+                  + ("-" if c["wilcoxon_p"] is None else f"{c['wilcoxon_p']:.3g}") + " |" for c in pairs]
     return "\n".join(lines)
 
 
@@ -96,5 +123,5 @@ def main(args, target=None) -> int:
     if args.out:
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps({"rows": rows, "markdown": table}, indent=2))
+        out.write_text(json.dumps({"rows": rows, "comparisons": comparisons(rows), "markdown": table}, indent=2))
     return 0
