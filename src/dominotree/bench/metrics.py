@@ -36,8 +36,6 @@ def paired_ratio_ci(a, b, n_boot: int = 2000, level: float = 0.95, seed: int = 0
     if len(x) == 0 or x.sum() == 0:
         return math.nan, math.nan, math.nan
     ratio = float(y.mean() / x.mean())
-    if len(x) == 1:
-        return ratio, ratio, ratio
     idx = np.random.default_rng(seed).integers(0, len(x), size=(n_boot, len(x)))
     ratios = y[idx].mean(axis=1) / x[idx].mean(axis=1)
     lo, hi = np.quantile(ratios, [(1 - level) / 2, (1 + level) / 2])

@@ -23,8 +23,8 @@ def evaluate(target, drafters: dict, prompts, method: str = "auto", max_new_toke
              budget: int = 16, progress: bool = True, draft_vocab: int = 0,
              draft_vocab_source: str = "train-data") -> list[dict]:
     """One row per (drafter, dataset) plus an "all" row each: mean per-prompt tau, and the per-prompt
-    taus in prompt order (`taus`, paired across drafters; with `draft_vocab`, drafting from that many of
-    the tokens the target writes most, as `generate` does)."""
+    taus (`taus`, in the same order for every drafter, so they pair up; with `draft_vocab`, drafting
+    from that many of the tokens the target writes most, as `generate` does)."""
     import dominotree as dt
     encoded = [target.encode_prompt(p.text) for p in prompts]
     rows = []
@@ -85,7 +85,8 @@ def comparisons(rows: list[dict]) -> list[dict]:
     return out
 
 
-def markdown(rows: list[dict]) -> str:
+def markdown(rows: list[dict], pairs: list[dict] | None = None) -> str:
+    """The tau table, then the comparison table (`pairs`: comparisons(rows), computed if not given)."""
     datasets = list(dict.fromkeys(r["dataset"] for r in rows))
     lines = ["| drafter | method | " + " | ".join(datasets) + " |", "|---|---|" + "---|" * len(datasets)]
     for name in dict.fromkeys(r["drafter"] for r in rows):
@@ -93,7 +94,7 @@ def markdown(rows: list[dict]) -> str:
         method = next(iter(mine.values()))["method"]
         lines.append(f"| {name} | {method} | " + " | ".join(f"{mine[d]['tau']:.2f}" if d in mine else "-"
                                                         for d in datasets) + " |")
-    pairs = comparisons(rows)
+    pairs = comparisons(rows) if pairs is None else pairs
     if pairs:
         lines += ["", "| drafter | / | dataset | prompts | tau ratio [95% CI] | Wilcoxon p |", "|---|---|---|---|---|---|"]
         lines += [f"| {c['drafter']} | {c['versus']} | {c['dataset']} | {c['prompts']} | {c['ratio']:.3f}x "
@@ -118,10 +119,11 @@ def main(args, target=None) -> int:
     rows = evaluate(target, drafters, prompts, args.method, args.max_new_tokens, args.budget,
                     draft_vocab=getattr(args, "draft_vocab", 0),
                     draft_vocab_source=getattr(args, "draft_vocab_source", "train-data"))
-    table = markdown(rows)
+    pairs = comparisons(rows)
+    table = markdown(rows, pairs)
     print(table)
     if args.out:
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps({"rows": rows, "comparisons": comparisons(rows), "markdown": table}, indent=2))
+        out.write_text(json.dumps({"rows": rows, "comparisons": pairs, "markdown": table}, indent=2))
     return 0
