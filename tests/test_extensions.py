@@ -25,3 +25,15 @@ def test_a_failed_build_reports_its_last_line():
     exc = RuntimeError("Error building extension 'x'\n  lots of log\nerror: unrecognized option '-mavx512bf16'\n")
     assert extensions.failure_reason(exc) == "RuntimeError: error: unrecognized option '-mavx512bf16'"
     assert extensions.failure_reason(OSError()) == "OSError: no message"
+
+
+def test_a_first_build_says_so_and_a_reused_one_is_silent(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("DOMINOTREE_CACHE", str(tmp_path / "cache"))
+    src = tmp_path / "tiny_ext.cpp"
+    src.write_text("extern \"C\" int dominotree_tiny_ext() { return 7; }\n")
+    extensions.compile_extension("dominotree_tiny_ext", "tiny", [src], is_python_module=False)
+    first = capsys.readouterr().err
+    assert "compiling dominotree_tiny_ext" in first and str(tmp_path / "cache" / "tiny") in first
+    assert list(extensions.build_dir("tiny", [src], (), ["-O3"]).glob("dominotree_tiny_ext*.so"))
+    extensions.compile_extension("dominotree_tiny_ext", "tiny", [src], is_python_module=False)
+    assert "compiling" not in capsys.readouterr().err

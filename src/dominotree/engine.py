@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .config import DRAFT_METHODS, SpecConfig
+from . import tree_attention
 from .proposers import make_proposer
 from .trees.datastore import SORT_DEPTH, store_for
 from .trees.lookup import NgramIndex, merge_branch
@@ -44,6 +45,8 @@ class GenerationStream:
         if drafter is not None and cfg.method in DRAFT_METHODS:
             drafter.check_fits(target)
         self.proposer = make_proposer(cfg, target, drafter)
+        if cfg.method != "ar":
+            tree_attention.enabled()    # its first call compiles the kernel: here, not inside the timed verify
         self.lookup = NgramIndex(cfg.lookup_ngram) if cfg.lookup else None
         self.store = store_for(cfg.lookup_store, target.name) if cfg.lookup_store else None
         self.result: GenerationResult | None = None

@@ -9,6 +9,7 @@ their Python path; `failure_reason` makes the one-line reason they report.
 from __future__ import annotations
 
 import hashlib
+import sys
 from pathlib import Path
 from typing import Sequence
 
@@ -30,6 +31,8 @@ def compile_extension(name: str, subdir: str, sources: Sequence[Path], headers: 
     from torch.utils import cpp_extension
     build = build_dir(subdir, sources, headers, [*cflags, *ldflags])
     build.mkdir(parents=True, exist_ok=True)
+    if not any(build.glob(f"{name}*.so")):    # a first build takes tens of seconds: say why it waits
+        print(f"dominotree: compiling {name} (once, into {build})", file=sys.stderr, flush=True)
     return cpp_extension.load(name=name, sources=[str(f) for f in sources], extra_cflags=list(cflags),
                               extra_ldflags=list(ldflags), build_directory=str(build),
                               is_python_module=is_python_module, verbose=False)

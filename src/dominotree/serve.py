@@ -383,6 +383,9 @@ def main(args) -> int:
     if args.method in ("domino", "dominotree", "condadaptive"):
         from .trees import native
         native.load()   # compile the native library (first run only) before the first request
+    if args.method != "ar":
+        from . import tree_attention
+        tree_attention.enabled()    # and the verify kernel, where this CPU uses it
     name = os.path.basename(os.path.normpath(args.model)) if os.path.isdir(args.model) else args.model
     app = create_app(target, drafter, args.method, name, lookup=args.lookup, lookup_store=args.lookup_store,
                      draft_vocab=args.draft_vocab, draft_vocab_source=args.draft_vocab_source)
