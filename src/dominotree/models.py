@@ -49,10 +49,14 @@ def cache_dir() -> Path:
 
 
 def checkpoints_dir() -> Path:
-    """Bundled drafters: `checkpoints/` of a source checkout (editable install) or $DOMINOTREE_CHECKPOINTS."""
+    """Bundled drafters: $DOMINOTREE_CHECKPOINTS, else the copy a built wheel carries
+    (dominotree/checkpoints/, setup.py), else `checkpoints/` of a source checkout (editable install)."""
     env = os.environ.get("DOMINOTREE_CHECKPOINTS")
     if env:
         return Path(env)
+    packaged = Path(__file__).resolve().parent / "checkpoints"
+    if packaged.is_dir():
+        return packaged
     return Path(__file__).resolve().parents[2] / "checkpoints"
 
 
