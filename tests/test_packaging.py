@@ -11,10 +11,20 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def _setuptools_major() -> int:
+    try:
+        import setuptools
+    except ImportError:
+        return 0
+    return int(setuptools.__version__.split(".")[0])
+
+
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory):
     out = tmp_path_factory.mktemp("wheel")
-    r = subprocess.run([sys.executable, "-m", "pip", "wheel", str(ROOT), "--no-deps", "--no-build-isolation",
+    # the environment's setuptools (torch requires one) where it is new enough for pyproject.toml, else pip fetches one
+    isolation = ["--no-build-isolation"] if _setuptools_major() >= 77 else []
+    r = subprocess.run([sys.executable, "-m", "pip", "wheel", str(ROOT), "--no-deps", *isolation,
                         "-q", "-w", str(out)], capture_output=True, text=True, timeout=300)
     if r.returncode != 0 and "No module named pip" in r.stderr:
         pytest.skip("no pip in this environment")
