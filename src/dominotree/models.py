@@ -54,10 +54,9 @@ def checkpoints_dir() -> Path:
     env = os.environ.get("DOMINOTREE_CHECKPOINTS")
     if env:
         return Path(env)
-    packaged = Path(__file__).resolve().parent / "checkpoints"
-    if packaged.is_dir():
-        return packaged
-    return Path(__file__).resolve().parents[2] / "checkpoints"
+    package = Path(__file__).resolve().parent
+    packaged = package / "checkpoints"
+    return packaged if packaged.is_dir() else package.parents[1] / "checkpoints"
 
 
 def find_gguf() -> Path:
