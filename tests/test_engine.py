@@ -84,6 +84,8 @@ def test_context_limit(tiny_target):
     (dict(prompt=[1, 2], method="beam"), "unknown method"),
     (dict(prompt=[1, 2], method="dominotree"), "needs a drafter"),
     (dict(prompt=[1, 2], temperature=-1), "temperature"),
+    (dict(prompt=[1, 2], temperature=float("nan")), "temperature"),
+    (dict(prompt=[1, 2], temperature=float("inf")), "temperature"),
     (dict(prompt=[1, 2], top_p=0), "top_p"),
 ])
 def test_bad_input_gets_a_clear_error(tiny_target, kwargs, match):

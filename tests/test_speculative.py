@@ -112,6 +112,30 @@ def test_drafter_that_does_not_fit_is_rejected(tiny_target):
         run(tiny_target, build_drafter(cfg), [1, 5], "domino")
 
 
+@pytest.mark.parametrize("method, options", [("ddtree", dict(budget=256)), ("dominotree", dict(budget=10**6)),
+                                             ("caddtree", dict(max_budget=300)), ("condadaptive", dict(max_budget=256))])
+def test_a_tree_larger_than_the_context_is_refused(tiny_target, tmp_path, method, options):
+    """A verify attends over every node at once: a budget past the context (256 here) gets a clear
+    error at once instead of a verify that exhausts memory; the largest budget that fits runs."""
+    from dominotree.trees.caddtree import CostModel
+    drafter = random_drafter(method != "ddtree")
+    if method in ("caddtree", "condadaptive"):
+        CostModel(c_draft=5.0, curves={0: [10.0 + 0.01 * n for n in range(300)]}).save(tmp_path / "cost.json")
+        options = {**options, "cost_model": str(tmp_path / "cost.json")}
+    with pytest.raises(ValueError, match="does not fit in one verify"):
+        run(tiny_target, drafter, [1, 5], method, n=4, **options)
+    fits = {**options, **{key: 255 for key in options if "budget" in key}}
+    assert run(tiny_target, drafter, [1, 5], method, n=4, **fits).token_ids == \
+        run(tiny_target, None, [1, 5], "ar", n=4).token_ids
+
+
+@pytest.mark.parametrize("option", ["budget", "max_budget"])
+@pytest.mark.parametrize("value", [0, 2.5])
+def test_budgets_must_be_positive_integers(tiny_target, option, value):
+    with pytest.raises(ValueError, match=option):
+        run(tiny_target, random_drafter(True), [1, 5], "dominotree", n=4, **{option: value})
+
+
 @pytest.mark.parametrize("method,budget", [("dflash", 16), ("domino", 16), ("ddtree", 3), ("dominotree", 3),
                                            ("dominotree", 5), ("caddtree", 16), ("condadaptive", 16)])
 def test_drafts_keep_only_the_depths_a_tree_can_use(tiny_target, tmp_path, method, budget):

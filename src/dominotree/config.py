@@ -1,6 +1,7 @@
 """SpecConfig: every knob of a generation call in one place, validated once."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields
 
 from .trees.datastore import SORT_DEPTH
@@ -45,14 +46,16 @@ class SpecConfig:
             raise ValueError(f"unknown method {self.method!r}; choose one of {', '.join(METHODS)}")
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens <= 0:
             raise ValueError(f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
-        if self.budget < 1:
-            raise ValueError(f"budget must be >= 1, got {self.budget}")
+        if not isinstance(self.budget, int) or self.budget < 1:
+            raise ValueError(f"budget must be an integer >= 1, got {self.budget!r}")
+        if not isinstance(self.max_budget, int) or self.max_budget < 1:
+            raise ValueError(f"max_budget must be an integer >= 1, got {self.max_budget!r}")
         if self.node_topk < 1:
             raise ValueError(f"node_topk must be >= 1, got {self.node_topk}")
         if self.corr_topm is not None and self.corr_topm < 1:

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .config import DRAFT_METHODS, SpecConfig
+from .config import DRAFT_METHODS, TREE_METHODS, SpecConfig
 from . import tree_attention
 from .proposers import make_proposer
 from .trees.datastore import SORT_DEPTH, store_for
@@ -42,6 +42,11 @@ class GenerationStream:
         if len(self.prompt_ids) + 1 > target.max_context:
             raise ValueError(f"prompt of {len(self.prompt_ids)} tokens leaves no room in the target's "
                              f"context of {target.max_context} tokens")
+        nodes = cfg.max_budget if cfg.method in ("caddtree", "condadaptive") else cfg.budget
+        if cfg.method in TREE_METHODS and nodes + 1 > target.max_context:
+            # one verify attends over every node at once: a bigger tree could only exhaust memory
+            raise ValueError(f"a tree of {nodes} nodes besides the root does not fit in one verify within "
+                             f"the target's context of {target.max_context} tokens; use a smaller budget")
         if drafter is not None and cfg.method in DRAFT_METHODS:
             drafter.check_fits(target)
         self.proposer = make_proposer(cfg, target, drafter)
