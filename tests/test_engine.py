@@ -87,6 +87,10 @@ def test_context_limit(tiny_target):
     (dict(prompt=[1, 2], temperature=float("nan")), "temperature"),
     (dict(prompt=[1, 2], temperature=float("inf")), "temperature"),
     (dict(prompt=[1, 2], top_p=0), "top_p"),
+    (dict(prompt=[1, 2], stop=[""]), "non-empty strings"),     # would match at once: an empty answer
+    (dict(prompt=[1, 2], stop=["a", 3]), "non-empty strings"),
+    (dict(prompt=[1, 2], seed=2 ** 70), "seed"),               # torch's own error named no option
+    (dict(prompt=[1, 2], seed=1.5), "seed"),
 ])
 def test_bad_input_gets_a_clear_error(tiny_target, kwargs, match):
     kwargs = {"method": "ar", **kwargs}

@@ -86,6 +86,10 @@ class SpecConfig:
                              "offers (node_topk, corr_topm); use a larger draft_vocab or 0")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if not isinstance(self.stop, (list, tuple)) or not all(isinstance(x, str) and x for x in self.stop):
+            raise ValueError(f"stop must be a string or a list of non-empty strings, got {self.stop!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or not -2 ** 63 <= self.seed < 2 ** 63):
+            raise ValueError(f"seed must be an integer in [-2**63, 2**63) or None, got {self.seed!r}")
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "SpecConfig":

@@ -180,9 +180,7 @@ class Server:
         if not 0 <= temperature <= 2:
             raise APIError(400, f"temperature must be between 0 and 2, got {temperature}", "temperature",
                            "invalid_value")
-        seed = _field(body, "seed", "integer")
-        if seed is not None and not -2 ** 63 <= seed < 2 ** 63:
-            raise APIError(400, "seed is out of range", "seed", "invalid_value")
+        seed = _field(body, "seed", "integer")    # its range: SpecConfig's
         stream = _field(body, "stream", "boolean", False)
         include_usage = bool(_field(_field(body, "stream_options", "object", {}), "include_usage", "boolean"))
         try:
