@@ -288,6 +288,9 @@ def test_bad_flags_exit_2_without_a_traceback(capsys):
     assert cli_main(["bench"]) == 2
     err = capsys.readouterr().err
     assert "unknown method 'nope'" in err and "Traceback" not in err
+    # refused before the model loads, not at the warm-up
+    assert cli_main(["bench", "--temperatures", "0,nan", "--model", "no-such-model", "--out", "x"]) == 2
+    assert "finite temperatures" in capsys.readouterr().err
 
 
 def test_first_divergence():

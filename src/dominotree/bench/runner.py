@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import shlex
 import sys
 import time
@@ -171,8 +172,8 @@ def _floats(text: str, flag: str) -> list[float]:
         vals = [float(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise ValueError(f"{flag} takes a comma list of numbers, got {text!r}") from None
-    if not vals or any(v < 0 for v in vals):
-        raise ValueError(f"{flag} needs one or more temperatures >= 0, got {text!r}")
+    if not vals or any(not math.isfinite(v) or v < 0 for v in vals):
+        raise ValueError(f"{flag} needs one or more finite temperatures >= 0, got {text!r}")
     return list(dict.fromkeys(vals))
 
 
