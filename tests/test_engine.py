@@ -79,6 +79,12 @@ def test_context_limit(tiny_target):
     (dict(prompt=""), "empty prompt"),
     (dict(prompt="   "), "empty prompt"),
     (dict(prompt=[1] * 300), "context"),
+    (dict(prompt=[]), "empty prompt"),
+    (dict(prompt=[1, 10 ** 6]), "outside the target's vocabulary"),    # was an IndexError in the embedding
+    (dict(prompt=[-1, 5]), "outside the target's vocabulary"),
+    (dict(prompt=[{"role": "user"}]), "chat message 0 must be a dict"),  # was the template's UndefinedError
+    (dict(prompt=[{"role": "user", "content": "hi"}, 5]), "chat message 1"),
+    (dict(prompt=["hi", "there"]), "chat message 0"),
     (dict(prompt=[1, 2], max_new_tokens=0), "max_new_tokens"),
     (dict(prompt=[1, 2], max_new_tokens=-3), "max_new_tokens"),
     (dict(prompt=[1, 2], method="beam"), "unknown method"),
@@ -98,6 +104,19 @@ def test_bad_input_gets_a_clear_error(tiny_target, kwargs, match):
         dt.generate(tiny_target, None, **kwargs)
     # the target is still usable afterwards
     assert dt.generate(tiny_target, None, [1, 7], method="ar", max_new_tokens=3).token_ids
+
+
+@pytest.mark.parametrize("prompt", [None, 123, torch.tensor([1, 2])])
+def test_a_prompt_of_another_type_is_a_type_error(tiny_target, prompt):
+    with pytest.raises(TypeError, match="a prompt is a string, a list of chat messages or a list of token ids"):
+        dt.generate(tiny_target, None, prompt, method="ar")
+
+
+def test_token_ids_may_be_numpy_integers(tiny_target):
+    import numpy as np
+    ids = [1, 7, 8]
+    assert dt.generate(tiny_target, None, list(np.array(ids)), method="ar", max_new_tokens=5).token_ids == \
+        dt.generate(tiny_target, None, ids, method="ar", max_new_tokens=5).token_ids
 
 
 def test_unknown_option_is_rejected(tiny_target):

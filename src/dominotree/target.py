@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import numbers
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -222,25 +223,35 @@ class TargetModel:
 
     # ---- text ------------------------------------------------------------------------------
     def encode_prompt(self, prompt, raw: bool = False) -> list[int]:
-        """Chat messages (list of {role, content}) or a string; strings get the chat template
-        unless `raw` or the tokenizer has none."""
+        """Chat messages (list of {role, content}), token ids, or a string; strings get the chat
+        template unless `raw` or the tokenizer has none. Anything else is a clear error here, not
+        an IndexError in the embedding or a template's error later."""
         tok = self.tokenizer
-        if isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], int):
-            return [int(t) for t in prompt]
-        if isinstance(prompt, str) and not prompt.strip():
-            raise ValueError("empty prompt")
-        if isinstance(prompt, (list, tuple)):
-            if not prompt:
-                raise ValueError("empty prompt: no messages")
-            messages = list(prompt)
-        elif raw or not getattr(tok, "chat_template", None):
-            ids = tok.encode(prompt, add_special_tokens=False)
-            if not ids:
+        if isinstance(prompt, str):
+            if not prompt.strip():
                 raise ValueError("empty prompt")
-            return ids
-        else:
-            messages = [{"role": "user", "content": prompt}]
-        ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            if raw or not getattr(tok, "chat_template", None):
+                ids = tok.encode(prompt, add_special_tokens=False)
+                if not ids:
+                    raise ValueError("empty prompt")
+                return ids
+            prompt = [{"role": "user", "content": prompt}]
+        elif not isinstance(prompt, (list, tuple)):
+            raise TypeError(f"a prompt is a string, a list of chat messages or a list of token ids, "
+                            f"got {type(prompt).__name__}")
+        if not prompt:
+            raise ValueError("empty prompt")
+        if all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in prompt):
+            bad = [int(t) for t in prompt if not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(f"token id {bad[0]} is outside the target's vocabulary (0..{self.vocab_size - 1})")
+            return [int(t) for t in prompt]
+        for i, m in enumerate(prompt):
+            if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+                raise ValueError(f"chat message {i} must be a dict with 'role' and 'content' strings, got {m!r:.80}")
+        if not getattr(tok, "chat_template", None):
+            raise ValueError("this tokenizer has no chat template: pass a string (it is encoded raw) or token ids")
+        ids = tok.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=True)
         if hasattr(ids, "keys"):
             ids = ids["input_ids"]
         return list(ids)
