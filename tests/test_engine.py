@@ -119,6 +119,43 @@ def test_token_ids_may_be_numpy_integers(tiny_target):
         dt.generate(tiny_target, None, ids, method="ar", max_new_tokens=5).token_ids
 
 
+def test_a_second_generation_on_a_busy_target_is_refused_and_the_first_goes_on(tiny_target):
+    """Both would share the target's one KV cache: interleaving them corrupted both (a TypeError
+    deep in a round); now the second is refused and the first's tokens are unchanged."""
+    want = dt.generate(tiny_target, None, [1, 7, 8], method="ar", max_new_tokens=20).token_ids
+    first = iter(dt.stream_generate(tiny_target, None, [1, 7, 8], method="ar", max_new_tokens=20))
+    got = next(first).token_ids + next(first).token_ids
+    with pytest.raises(RuntimeError, match="in the middle of another generation"):
+        dt.generate(tiny_target, None, [1, 50], method="ar", max_new_tokens=5)
+    got += [t for event in first for t in event.token_ids]
+    assert got == want
+    # a stream left by `break` or closed frees the target at once
+    for _ in dt.stream_generate(tiny_target, None, [1, 7, 8], method="ar", max_new_tokens=20):
+        break
+    stream = dt.stream_generate(tiny_target, None, [1, 7, 8], method="ar", max_new_tokens=20)
+    next(iter(stream))
+    stream.close()
+    assert dt.generate(tiny_target, None, [1, 7, 8], method="ar", max_new_tokens=20).token_ids == want
+
+
+def test_two_threads_on_one_target_never_mix_their_caches(tiny_target):
+    import threading
+    want = dt.generate(tiny_target, None, [1, 7, 8], method="ar", max_new_tokens=30).token_ids
+    outcomes = []
+
+    def work():
+        try:
+            outcomes.append(dt.generate(tiny_target, None, [1, 7, 8], method="ar", max_new_tokens=30).token_ids)
+        except RuntimeError as e:
+            outcomes.append(str(e))
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert all(o == want or "another generation" in o for o in outcomes) and want in outcomes
+
+
 def test_unknown_option_is_rejected(tiny_target):
     with pytest.raises(TypeError, match="unknown generation option"):
         dt.generate(tiny_target, None, [1, 2], method="ar", max_tokens=5)

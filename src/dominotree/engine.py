@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import os
+import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -55,12 +57,27 @@ class GenerationStream:
         self.lookup = NgramIndex(cfg.lookup_ngram) if cfg.lookup else None
         self.store = store_for(cfg.lookup_store, target.name) if cfg.lookup_store else None
         self.result: GenerationResult | None = None
+        self._rounds = None
 
     def __iter__(self):
+        rounds = self._iterate()
+        self._rounds = weakref.ref(rounds)     # a loop left by `break` still frees (and closes) it
+        return rounds
+
+    def close(self) -> None:
+        """Stop a generation before it ends, so that the target can start another one."""
+        rounds = self._rounds() if self._rounds is not None else None
+        if rounds is not None:
+            rounds.close()
+
+    def _iterate(self):
+        # at the first next(): from here the models' caches are this generation's
+        claim = _Claim(self.target, self.drafter if self.cfg.method != "ar" else None)
         try:
             yield from self._run()
         finally:
             self.target.rollback()
+            claim.release()
 
     def _run(self):
         cfg, target, drafter = self.cfg, self.target, self.drafter
@@ -182,6 +199,28 @@ def acceptance_survival(accepted: list[int], depth: int) -> list[float]:
     if not accepted:
         return []
     return [sum(a >= d for a in accepted) / len(accepted) for d in range(1, depth + 1)]
+
+
+class _Claim:
+    """A target (and drafter) keeps one generation's cache: a second generation started while a
+    first is still open would overwrite it and corrupt both, so it is refused instead."""
+
+    _lock = threading.Lock()      # two threads must not both find the models free
+
+    def __init__(self, *models):
+        self.models = [m for m in models if m is not None]
+        with self._lock:
+            if any(getattr(m, "_generation", None) is not None for m in self.models):
+                raise RuntimeError("this target or drafter is in the middle of another generation (a stream "
+                                   "not yet exhausted, or another thread's); finish or close() it first, "
+                                   "or load a second copy")
+            for m in self.models:
+                m._generation = self
+
+    def release(self) -> None:
+        for m in self.models:
+            if getattr(m, "_generation", None) is self:
+                m._generation = None
 
 
 def _stats(cfg, rounds, acc, depths, budgets, stage, prefill_ms, wall, n_out, finish, n_prompt) -> dict:
