@@ -108,6 +108,13 @@ def test_unknown_method_is_a_usage_error(capsys):
     assert e.value.code == 2
 
 
+def test_version(capsys):
+    import dominotree
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.strip() == f"dominotree {dominotree.__version__}"
+
+
 def test_models_lists_named_models(capsys):
     code, out, _ = run_cli(capsys, "models", "--json")
     names = {r["name"] for r in json.loads(out)}

@@ -8,6 +8,7 @@ import json
 import os
 import sys
 
+from . import __version__
 from .config import METHODS
 
 
@@ -110,6 +111,7 @@ def cmd_serve(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dominotree", description=__doc__.splitlines()[0])
+    p.add_argument("--version", action="version", version=f"dominotree {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
 
     def model_flags(sp, drafter_default=None):
