@@ -109,10 +109,13 @@ def test_unknown_method_is_a_usage_error(capsys):
 
 
 def test_version(capsys):
+    import importlib.metadata
     import dominotree
     with pytest.raises(SystemExit) as e:
         main(["--version"])
     assert e.value.code == 0 and capsys.readouterr().out.strip() == f"dominotree {dominotree.__version__}"
+    # the package's metadata (pyproject.toml) and the module say the same
+    assert importlib.metadata.version("dominotree") == dominotree.__version__
 
 
 def test_models_lists_named_models(capsys):
