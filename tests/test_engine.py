@@ -59,6 +59,19 @@ def test_stop_strings_cut_the_text(tiny_target):
     assert full.text.startswith(r.text)
 
 
+def test_a_stop_string_in_the_last_token_is_cut_too(tiny_target):
+    """The round that reaches max_new_tokens (or EOS) used to end as 'length' with the stop string
+    left in the text."""
+    prompt = next(p for p in ([1, k] for k in range(5, 90))
+                  if len(dt.generate(tiny_target, None, p, method="ar", max_new_tokens=30).text.split()) > 6)
+    full = dt.generate(tiny_target, None, prompt, method="ar", max_new_tokens=30)
+    words = full.text.split()
+    stop = next(w for w in words[3:] if w not in words[:3])
+    last = next(n for n in range(1, 31) if stop in tiny_target.decode(full.token_ids[:n]))
+    r = dt.generate(tiny_target, None, prompt, method="ar", max_new_tokens=last, stop=[stop])
+    assert r.stats["finish_reason"] == "stop" and stop not in r.text and full.text.startswith(r.text)
+
+
 def test_chat_and_raw_prompts(tiny_target):
     chat = tiny_target.encode_prompt("hello world")
     raw = tiny_target.encode_prompt("hello world", raw=True)

@@ -173,22 +173,26 @@ class GenerationStream:
             self.result.stats["store_accepted"] = store_accepted
 
     def _append(self, out: list[int], new: list[int], eos: set[int]) -> str | None:
+        finish = None
         for t in new:
             out.append(t)
             if t in eos:
-                return "stop"
+                finish = "stop"
+                break
             if len(out) >= self.cfg.max_new_tokens:
-                return "length"
+                finish = "length"
+                break
+        # also in the round that reaches EOS or the length: a stop string there is still cut
         if self.cfg.stop and any(s in self.target.decode(out[-64:]) for s in self.cfg.stop):
             return "stop_string"
-        return None
+        return finish
 
     def _cut_at_stop(self, out, text):
         cut = min((text.find(s) for s in self.cfg.stop if s in text), default=-1)
         if cut < 0:
             return out, text
         text = text[:cut]
-        for n in range(1, len(out) + 1):   # the shortest token prefix that covers the kept text
+        for n in range(len(out) + 1):   # the shortest token prefix that covers the kept text
             if len(self.target.decode(out[:n])) >= cut:
                 return out[:n], text
         return out, text
