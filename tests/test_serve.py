@@ -113,6 +113,21 @@ def test_openai_client_chat_stream_and_completions(client, base):
     assert "".join(s.choices[0].text for s in streamed) == r2["choices"][0]["text"]
 
 
+def test_top_k_is_honoured_and_no_op_options_are_accepted(base):
+    greedy = chat(base, "hello world", max_tokens=30)["choices"][0]["message"]["content"]
+    # top_k=1 at T = 1 is greedy, for seeds whose sample without it is not (the negative control)
+    free = {s: chat(base, "hello world", max_tokens=30, temperature=1.0, seed=s)["choices"][0]["message"]["content"]
+            for s in range(3, 7)}
+    seeds = [s for s, text in free.items() if text != greedy]
+    assert seeds
+    assert all(chat(base, "hello world", max_tokens=30, temperature=1.0, top_k=1, seed=s)
+               ["choices"][0]["message"]["content"] == greedy for s in seeds)
+    # the options a server does not implement are fine at their no-op values (clients send those)
+    same = chat(base, "hello world", max_tokens=30, presence_penalty=0, frequency_penalty=0.0, logprobs=False,
+                logit_bias={}, top_k=-1)
+    assert same["choices"][0]["message"]["content"] == greedy
+
+
 def test_concurrent_clients_get_their_own_answers(client):
     def ask(i):   # chat and raw completions, streamed or not, different prompts and lengths
         kw = dict(model=MODEL, temperature=0, max_tokens=12 + 3 * i, stream=i % 3 == 0)
@@ -159,6 +174,12 @@ LONG = "hello " * 300   # the tiny model's context is 256 tokens
      "invalid_value"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hello"}], "stop": [""]}, 400, "stop",
      "invalid_type"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hello"}], "logprobs": True}, 400,
+     "logprobs", "unsupported_parameter"),
+    ("/v1/completions", {"prompt": "hello", "presence_penalty": 0.5}, 400, "presence_penalty",
+     "unsupported_parameter"),
+    ("/v1/completions", {"prompt": "hello", "logit_bias": {"5": 100}}, 400, "logit_bias", "unsupported_parameter"),
+    ("/v1/completions", {"prompt": "hello", "top_k": -3}, 400, "top_k", "invalid_value"),
     ("/v1/completions", {"prompt": "   "}, 400, "prompt", "invalid_value"),
     ("/v1/completions", {"prompt": {"text": "hello"}}, 400, "prompt", "invalid_type"),
     ("/v1/completions", {"prompt": [1, 999999]}, 400, "prompt", "invalid_value"),

@@ -63,6 +63,26 @@ def _field(body: dict, name: str, kind: str, default=None):
     return value
 
 
+# Options that would change what is generated (or returned) and that this server does not
+# implement: refused unless at their no-op value, so a client never silently gets other output.
+UNSUPPORTED = {"logprobs": (False,), "top_logprobs": (0,), "presence_penalty": (0,), "frequency_penalty": (0,),
+               "repetition_penalty": (1,), "logit_bias": ({},), "best_of": (1,), "echo": (False,),
+               "suffix": ("",), "tools": ([],), "response_format": ({"type": "text"},)}
+
+
+def _refuse_unsupported(body: dict) -> None:
+    for name, no_ops in UNSUPPORTED.items():
+        value = body.get(name)
+        if value is not None and value not in no_ops:
+            raise APIError(400, f"'{name}' is not supported by this server", name, "unsupported_parameter")
+
+
+def _top_k(body: dict) -> int:
+    """`top_k` as vLLM and SGLang take it (not OpenAI's): 0 or their -1 leave it off."""
+    top_k = _field(body, "top_k", "integer", 0)
+    return 0 if top_k == -1 else top_k
+
+
 def _message_text(m, i: int) -> dict:
     if not isinstance(m, dict) or not isinstance(m.get("role"), str):
         raise APIError(400, f"messages[{i}] must be an object with a string 'role'", "messages", "invalid_type")
@@ -167,6 +187,7 @@ class Server:
                            "model", "model_not_found")
         if _field(body, "n", "integer", 1) != 1:
             raise APIError(400, "only n=1 is supported", "n", "invalid_value")
+        _refuse_unsupported(body)
         method = _field(body, "method", "string", self.method)
         if method not in (self.method, "ar"):
             raise APIError(400, f"method must be {self.method!r} or 'ar', got {method!r}", "method", "invalid_value")
@@ -185,7 +206,8 @@ class Server:
         include_usage = bool(_field(_field(body, "stream_options", "object", {}), "include_usage", "boolean"))
         try:
             cfg = dt.SpecConfig(method=method, max_new_tokens=max_tokens, temperature=float(temperature),
-                                top_p=float(_field(body, "top_p", "number", 1.0)), seed=seed, stop=stop, raw=not chat,
+                                top_p=float(_field(body, "top_p", "number", 1.0)),
+                                top_k=_top_k(body), seed=seed, stop=stop, raw=not chat,
                                 lookup=0 if method == "ar" else self.lookup,
                                 lookup_store=None if method == "ar" else self.lookup_store,
                                 draft_vocab=0 if method == "ar" else self.draft_vocab,
