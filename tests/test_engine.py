@@ -125,6 +125,11 @@ def test_a_prompt_of_another_type_is_a_type_error(tiny_target, prompt):
         dt.generate(tiny_target, None, prompt, method="ar")
 
 
+def test_a_prompt_passed_as_the_drafter_is_explained(tiny_target):
+    with pytest.raises(TypeError, match="pass the prompt third"):
+        dt.generate(tiny_target, "hello world", method="ar")
+
+
 def test_token_ids_may_be_numpy_integers(tiny_target):
     import numpy as np
     ids = [1, 7, 8]

@@ -36,6 +36,10 @@ class GenerationStream:
 
     def __init__(self, target, drafter, prompt, cfg: SpecConfig):
         self.target, self.drafter, self.cfg = target, drafter, cfg
+        if isinstance(drafter, (str, list, tuple)):
+            # generate(target, "Hello", method="ar") reads "Hello" as the drafter
+            raise TypeError(f"the drafter argument got a {type(drafter).__name__}: pass the prompt third "
+                            "(generate(target, None, prompt, ...)) or as prompt=...; a drafter comes from load_drafter")
         if cfg.method in DRAFT_METHODS and drafter is None:
             raise ValueError(f"method {cfg.method!r} needs a drafter (load one with load_drafter)")
         self.prompt_ids = target.encode_prompt(prompt, raw=cfg.raw)
