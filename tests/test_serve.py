@@ -331,3 +331,35 @@ def test_server_wide_draft_vocab_reaches_each_request_and_bad_values_fail_at_sta
         Server(tiny_target, random_drafter(True), "dominotree", MODEL, draft_vocab=64)   # no train_data for it
     with pytest.raises(ValueError, match="smaller than the 64 candidates"):
         Server(tiny_target, random_drafter(True), "dominotree", MODEL, draft_vocab=8, draft_vocab_source=str(tmp_path))
+
+
+def test_the_serve_command_answers_and_a_busy_port_is_one_clear_error(tiny_llama_dir, capsys, monkeypatch):
+    import sys
+    from dominotree.cli import main
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen()
+    port = busy.getsockname()[1]
+    loads = []
+    monkeypatch.setattr("dominotree.load_target", lambda *a, **k: loads.append(a))
+    assert main(["serve", "--model", str(tiny_llama_dir), "--method", "ar", "--port", str(port)]) == 2
+    assert "cannot listen on 127.0.0.1:%d" % port in capsys.readouterr().err and not loads   # before the model
+    busy.close()
+    monkeypatch.undo()
+    # the command itself, in a process of its own, serves the model on the now free port
+    proc = subprocess.Popen([sys.executable, "-m", "dominotree.cli", "serve", "--model", str(tiny_llama_dir),
+                             "--method", "ar", "--dtype", "fp32", "--port", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        for _ in range(300):
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.1)
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions",
+                       json={"prompt": "hello world", "temperature": 0, "max_tokens": 5}, timeout=30)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] > 0
+    finally:
+        proc.terminate()
+        proc.wait(10)

@@ -12,6 +12,7 @@ import asyncio
 import json
 import math
 import os
+import socket
 import sys
 import time
 import uuid
@@ -391,8 +392,17 @@ def create_app(target, drafter, method: str = "dominotree", model_name: str | No
     return app
 
 
+def _listen(host: str, port: int) -> socket.socket:
+    """The server's socket, bound before the model loads: a port in use is one clear error at once."""
+    try:
+        return socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
+    except OSError as e:
+        raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+
+
 def main(args) -> int:
     import uvicorn
+    sock = _listen(args.host, args.port)
     if args.method != "ar" and args.drafter is None:
         dflash = args.method in ("dflash", "ddtree", "caddtree")   # the same defaults as `generate`
         args.drafter = "smollm2-135m-dflash" if dflash else "smollm2-135m-domino"
@@ -410,7 +420,7 @@ def main(args) -> int:
     app = create_app(target, drafter, args.method, name, lookup=args.lookup, lookup_store=args.lookup_store,
                      draft_vocab=args.draft_vocab, draft_vocab_source=args.draft_vocab_source)
     print(f"dominotree: serving {name} with {args.method} on http://{args.host}:{args.port}/", file=sys.stderr)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+    uvicorn.Server(uvicorn.Config(app, log_level="info")).run(sockets=[sock])
     return 0
 
 
