@@ -112,6 +112,24 @@ def test_drafter_that_does_not_fit_is_rejected(tiny_target):
         run(tiny_target, build_drafter(cfg), [1, 5], "domino")
 
 
+@pytest.mark.parametrize("method", ["ar", "dominotree"])
+def test_streamed_tokens_stop_where_the_result_does(tiny_target, method):
+    """A round that finds a stop string is cut before its event goes out: the events never carry a
+    token past the stop (they used to carry the whole round), and add up to the result."""
+    prompt = [1, 40, 41]
+    ref, plain = reference_sequence(tiny_target, prompt, 40)
+    drafter = ScriptedDrafter(zero_head(random_drafter(True)), ref, wrong_rate=0.0) if method != "ar" else None
+    words = plain.text.split()
+    stop = next(w for w in words[4:] if w not in words[:4])
+    stream = dt.stream_generate(tiny_target, drafter, prompt, method=method, max_new_tokens=40, stop=[stop])
+    streamed = [t for event in stream for t in event.token_ids]
+    assert stream.result.stats["finish_reason"] == "stop" and stop not in stream.result.text
+    assert streamed == stream.result.token_ids == plain.token_ids[:len(streamed)]
+    assert plain.text.startswith(stream.result.text)
+    if method != "ar":
+        assert stream.result.stats["tau"] > 2      # rounds of several tokens: the cut fell inside one
+
+
 @pytest.mark.parametrize("method, options", [("ddtree", dict(budget=256)), ("dominotree", dict(budget=10**6)),
                                              ("caddtree", dict(max_budget=300)), ("condadaptive", dict(max_budget=256))])
 def test_a_tree_larger_than_the_context_is_refused(tiny_target, tmp_path, method, options):

@@ -107,7 +107,7 @@ class GenerationStream:
         finish = self._append(out, [root], eos)
         if self.lookup is not None:
             self.lookup.extend(self.prompt_ids + [root])
-        yield RoundEvent([root], 0)
+        yield RoundEvent(out[:], 0)
 
         while finish is None:
             room = target.max_context - target.length - 1   # deepest node the context still holds
@@ -164,8 +164,7 @@ class GenerationStream:
 
         text = target.decode(out)
         if finish == "stop_string":
-            out, text = self._cut_at_stop(out, text)
-            finish = "stop"
+            text, finish = self._stop_text, "stop"
         wall = time.perf_counter() - t_start
         rounds = len(accepted_per_round)
         self.result = GenerationResult(text, out, _stats(
@@ -188,6 +187,9 @@ class GenerationStream:
                 break
         # also in the round that reaches EOS or the length: a stop string there is still cut
         if self.cfg.stop and any(s in self.target.decode(out[-64:]) for s in self.cfg.stop):
+            # cut here, so that this round's event carries no token past the stop string either
+            kept, self._stop_text = self._cut_at_stop(out, self.target.decode(out))
+            del out[len(kept):]
             return "stop_string"
         return finish
 
