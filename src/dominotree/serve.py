@@ -167,6 +167,12 @@ class Server:
             store_for(lookup_store, target.name)
         if draft_vocab:
             draft_vocab_for(target, draft_vocab, draft_vocab_source)
+        if method in ("domino", "dominotree", "condadaptive"):
+            from .trees import native
+            native.load()   # compile the native library (first run only) here, not inside a request
+        if method != "ar":
+            from . import tree_attention
+            tree_attention.enabled()    # and the verify kernel, where this CPU uses it
         self.target, self.drafter, self.method, self.model_name = target, drafter, method, model_name
         self.lookup, self.lookup_store = lookup, lookup_store
         self.draft_vocab, self.draft_vocab_source = draft_vocab, draft_vocab_source
@@ -410,12 +416,6 @@ def main(args) -> int:
     target = dt.load_target(args.model, dtype=args.dtype, pack=pack, gqa=not args.no_gqa,
                             lean=not args.no_lean_target)
     drafter = None if args.method == "ar" else dt.load_drafter(args.drafter, target=target, pack=pack)
-    if args.method in ("domino", "dominotree", "condadaptive"):
-        from .trees import native
-        native.load()   # compile the native library (first run only) before the first request
-    if args.method != "ar":
-        from . import tree_attention
-        tree_attention.enabled()    # and the verify kernel, where this CPU uses it
     name = os.path.basename(os.path.normpath(args.model)) if os.path.isdir(args.model) else args.model
     app = create_app(target, drafter, args.method, name, lookup=args.lookup, lookup_store=args.lookup_store,
                      draft_vocab=args.draft_vocab, draft_vocab_source=args.draft_vocab_source)
