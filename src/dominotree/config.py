@@ -8,6 +8,7 @@ from .trees.datastore import SORT_DEPTH
 
 METHODS = ("ar", "dflash", "domino", "ddtree", "caddtree", "dominotree", "condadaptive")
 TREE_METHODS = ("ddtree", "caddtree", "dominotree", "condadaptive")
+ADAPTIVE_METHODS = ("caddtree", "condadaptive")   # choose their budget with a cost model, up to max_budget
 DRAFT_METHODS = METHODS[1:]
 
 

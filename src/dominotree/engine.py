@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .config import DRAFT_METHODS, TREE_METHODS, SpecConfig
+from .config import ADAPTIVE_METHODS, DRAFT_METHODS, TREE_METHODS, SpecConfig
 from . import tree_attention
 from .proposers import make_proposer
 from .trees.datastore import SORT_DEPTH, store_for
@@ -48,7 +48,7 @@ class GenerationStream:
         if len(self.prompt_ids) + 1 > target.max_context:
             raise ValueError(f"prompt of {len(self.prompt_ids)} tokens leaves no room in the target's "
                              f"context of {target.max_context} tokens")
-        nodes = cfg.max_budget if cfg.method in ("caddtree", "condadaptive") else cfg.budget
+        nodes = cfg.max_budget if cfg.method in ADAPTIVE_METHODS else cfg.budget
         if cfg.method in TREE_METHODS and nodes + 1 > target.max_context:
             # one verify attends over every node at once: a bigger tree could only exhaust memory
             raise ValueError(f"a tree of {nodes} nodes besides the root does not fit in one verify within "
@@ -162,9 +162,10 @@ class GenerationStream:
             root = bonus
             yield RoundEvent(out[before:], len(path) - 1)
 
-        text = target.decode(out)
-        if finish == "stop_string":
+        if finish == "stop_string":       # _append cut the tokens and kept the cut text
             text, finish = self._stop_text, "stop"
+        else:
+            text = target.decode(out)
         wall = time.perf_counter() - t_start
         rounds = len(accepted_per_round)
         self.result = GenerationResult(text, out, _stats(

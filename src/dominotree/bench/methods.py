@@ -14,12 +14,12 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
-from ..config import METHODS, SpecConfig
+from ..config import ADAPTIVE_METHODS, METHODS, SpecConfig
 
 HF_PEERS = ("hf-ar", "hf-prompt-lookup")
 ALL_METHODS = METHODS + HF_PEERS
 DOMINO_METHODS = ("domino", "dominotree", "condadaptive")      # default to the Domino drafter
-ADAPTIVE = ("caddtree", "condadaptive")                         # need a cost model
+ADAPTIVE = ADAPTIVE_METHODS                                      # need a cost model
 RUN_WIDE = {"method", "temperature", "max_new_tokens", "seed", "stop", "raw"}   # set by the runner
 SWITCHES = ("pack", "gqa", "lean", "lean_target", "tree_attention")  # on/off fast paths
 AR_SWITCHES = ("pack", "gqa", "lean_target")       # the only options `ar` takes (it drafts nothing)

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import torch
 
-from ..config import SpecConfig
+from ..config import ADAPTIVE_METHODS, SpecConfig
 from .caddtree import CostModel, build_caddtree
 from .chain import dflash_chain, domino_chain
 from .ddtree import build_ddtree
@@ -43,7 +43,7 @@ def depths_needed(cfg: SpecConfig, drafter, max_depth: int) -> int:
     depth = min(depth_cap(cfg, drafter), max_depth)
     if cfg.method in ("ddtree", "dominotree"):
         return min(depth, cfg.budget)
-    if cfg.method in ("caddtree", "condadaptive"):
+    if cfg.method in ADAPTIVE_METHODS:
         return min(depth, cfg.max_budget)
     return depth
 
@@ -55,7 +55,7 @@ def make_builder(cfg: SpecConfig, target, drafter):
     if needs_head and not hasattr(drafter, "head"):
         raise ValueError(f"method {method!r} needs a Domino drafter (with a correction head); "
                          f"{drafter.name!r} is a plain DFlash drafter")
-    cost = load_cost_model(cfg, target) if method in ("caddtree", "condadaptive") else None
+    cost = load_cost_model(cfg, target) if method in ADAPTIVE_METHODS else None
     if needs_head and cfg.builder == "native":
         native.load()   # compiled (first use only) before the first round, not inside its timing
     if needs_head and method != "domino":
