@@ -102,6 +102,23 @@ def test_errors_exit_2_with_one_line(tiny_llama_dir, capsys, argv, match):
     assert match in err and "Traceback" not in err and err.startswith("dominotree: error:")
 
 
+@pytest.mark.parametrize("argv, match", [
+    (["train", "dflash", "--steps", "0"], "steps must be an integer >= 1"),
+    (["train", "domino", "--anchors-per-seq", "0"], "anchors_per_seq"),
+    (["train", "dflash", "--layers", "1,x"], "--layers must be comma-separated integers"),
+    (["train", "data", "--num-prompts", "-5"], "num_prompts must be an integer >= 1"),
+    (["train", "features", "--layers", "1,x"], "--layers must be comma-separated integers"),
+])
+def test_bad_training_flags_exit_2_before_the_target_loads(capsys, monkeypatch, tmp_path, argv, match):
+    import dominotree as dt
+
+    def no_load(*a, **k):
+        raise AssertionError("the target loaded before the flags were checked")
+    monkeypatch.setattr(dt, "load_target", no_load)
+    code, _, err = run_cli(capsys, *argv, "--workdir", str(tmp_path))
+    assert code == 2 and match in err and "Traceback" not in err
+
+
 def test_unknown_method_is_a_usage_error(capsys):
     with pytest.raises(SystemExit) as e:
         main(["generate", "--method", "beam", "hi"])
@@ -146,7 +163,7 @@ def test_train_stages_from_the_cli(tiny_llama_dir, tiny_target, tmp_path, capsys
     cfg = json.loads(open(f"{work}/head/train_config.json").read())
     assert cfg["seed"] == 3 and cfg["freeze_backbone"] and cfg["pure_draft_prefix_len"] == 0
     code, _, err = run_cli(capsys, "train", "dflash", *base[:2], "--workdir", str(tmp_path / "empty"))
-    assert code == 2 and "features" in err
+    assert code == 2 and "no feature store" in err and "Traceback" not in err
     # held-out tau on a slice of the training prompts, one per mix group
     assert main(["train", "eval", *base[:2], "--drafters", f"{work}/dflash/model", "--training-prompts", "0:40",
                  "--max-samples", "1", "--max-new-tokens", "6", "--out", f"{work}/eval.json"]) == 0

@@ -606,3 +606,39 @@ def test_a_run_stopped_by_its_time_limit_continues_to_the_same_weights(tiny_targ
         assert torch.equal(a, b), name
     logs = [[json.loads(l)["loss"] for l in open(tmp_path / r / "log.jsonl")] for r in ("whole", "pieces")]
     assert logs[0] == logs[1] and len(logs[0]) == 6
+
+
+@pytest.mark.parametrize("bad, match", [
+    ({"steps": 0}, "steps must be an integer >= 1"), ({"steps": -3}, "steps must be"),
+    ({"seqs_per_step": 0}, "seqs_per_step"), ({"anchors_per_seq": 0}, "anchors_per_seq"),
+    ({"num_layers": 0}, "num_layers"), ({"block_size": 1}, "block_size"), ({"steps": 2.5}, "steps"),
+    ({"lr": -1e-3}, "lr must be a finite number >= 0"), ({"lr": float("nan")}, "lr"),
+    ({"gamma": 0.0}, "gamma must be a finite number > 0"), ({"distill": 1.5}, "distill"),
+    ({"warmup_frac": 2.0}, "warmup_frac"), ({"clip": 0.0}, "clip"), ({"time_limit_s": -1}, "time_limit_s"),
+    ({"pure_draft_prefix_len": 16}, "below block_size"), ({"vocab": "most"}, "vocab must be one of"),
+    ({"init_layers": "copy"}, "init_layers must be one of"), ({"layer_ids": [1, 1]}, "distinct"),
+    ({"freeze_backbone": True}, "needs a Domino run with a head"),
+])
+def test_a_bad_training_request_fails_at_once(bad, match):
+    with pytest.raises(ValueError, match=match):
+        TrainConfig(out="unused", **bad)
+
+
+def test_bad_data_and_feature_requests_fail_before_any_work(tiny_target, tiny_data, tmp_path):
+    root, _ = tiny_data
+    for bad, match in (({"num_prompts": 0}, "num_prompts"), ({"num_prompts": -5}, "num_prompts"),
+                       ({"batch_size": 0}, "batch_size"), ({"temperature": 0.0}, "temperature")):
+        with pytest.raises(ValueError, match=match):
+            generate_data(tiny_target, tmp_path / "d", **{"num_prompts": 4, **bad})
+    assert not (tmp_path / "d").exists()
+    # layer ids index the target's layers: -1 would have read the embeddings, 99 an IndexError
+    for layers in ([-1], [4], [1, 1], []):
+        with pytest.raises(ValueError, match="distinct target layers 0..3"):
+            build_feature_store(tiny_target, root / "data", tmp_path / "f", layer_ids=layers)
+    with pytest.raises(ValueError, match="topk must be >= 0"):
+        build_feature_store(tiny_target, root / "data", tmp_path / "f", layer_ids=[1], topk=-2)
+    with pytest.raises(ValueError, match="no training sequences in .*train data"):
+        build_feature_store(tiny_target, tmp_path / "no-data", tmp_path / "f", layer_ids=[1])
+    assert not (tmp_path / "f").exists()
+    with pytest.raises(FileNotFoundError, match="no feature store in .*train features"):
+        FeatureStore(tmp_path / "f")

@@ -11,6 +11,7 @@ recipe (same meta apart from the number of prompts) and holds the prompts this s
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import time
 from dataclasses import dataclass
@@ -70,6 +71,7 @@ def read_shard(path: Path) -> list[Sequence]:
 def generate_data(target, out: Path, num_prompts: int = 6000, shard_size: int = 256, batch_size: int = 64,
                   max_new_tokens: int = 256, sampled_every: int = 4, temperature: float = 0.7,
                   seed: int = 0, time_limit_s: float | None = None, seed_dir: Path | None = None) -> dict:
+    check_data_request(num_prompts, shard_size, batch_size, max_new_tokens, sampled_every, temperature)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     prompts = training_prompts(seed, num_prompts)
@@ -104,6 +106,18 @@ def generate_data(target, out: Path, num_prompts: int = 6000, shard_size: int = 
         made += sum(len(s.tokens) - s.prompt_len for s in seqs)
         bar.set_postfix(resp_tokens=made, tok_s=f"{made / (time.time() - t0):.0f}")
     return meta
+
+
+def check_data_request(num_prompts: int, shard_size: int = 256, batch_size: int = 64, max_new_tokens: int = 256,
+                       sampled_every: int = 4, temperature: float = 0.7) -> None:
+    """A ValueError for a request generate_data cannot honour (before any model loads)."""
+    for name, value, low in (("num_prompts", num_prompts, 1), ("shard_size", shard_size, 1),
+                             ("batch_size", batch_size, 1), ("max_new_tokens", max_new_tokens, 1),
+                             ("sampled_every", sampled_every, 0)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+    if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature > 0):
+        raise ValueError(f"temperature (of the sampled responses) must be a finite number > 0, got {temperature!r}")
 
 
 def _matching_seed_dir(seed_dir: Path | None, meta: dict) -> Path | None:

@@ -80,6 +80,45 @@ class TrainConfig:
     precision: str = "bf16"
     extra: dict = field(default_factory=dict)
 
+    def __post_init__(self):
+        # a bad value fails here, before the target and the feature store load, not steps into a run
+        for name, low in (("steps", 1), ("seqs_per_step", 1), ("anchors_per_seq", 1), ("save_every", 1),
+                          ("log_every", 1), ("num_layers", 1), ("block_size", 2), ("mask_token_id", 0),
+                          ("emb_dim", 1), ("gru_hidden_dim", 1), ("pure_draft_prefix_len", 0), ("negatives", 0),
+                          ("vocab_min_count", 1), ("vocab_top", 0)):
+            _check_int(name, getattr(self, name), low)
+        for name in ("intermediate_size", "num_heads", "num_kv_heads"):
+            if getattr(self, name) is not None:
+                _check_int(name, getattr(self, name), 1)
+        if self.pure_draft_prefix_len >= self.block_size:
+            raise ValueError(f"pure_draft_prefix_len must be below block_size ({self.block_size}), "
+                             f"got {self.pure_draft_prefix_len}")
+        for name, low, high, low_open in (("lr", 0, math.inf, False), ("weight_decay", 0, math.inf, False),
+                                          ("warmup_frac", 0, 1, False), ("min_lr_frac", 0, 1, False),
+                                          ("gamma", 0, math.inf, True), ("clip", 0, math.inf, True),
+                                          ("distill", 0, 1, False)):
+            v = getattr(self, name)
+            if (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v > high
+                    or v < low or (low_open and v == low)):
+                span = f"{'>' if low_open else '>='} {low}" + ("" if high == math.inf else f" and <= {high}")
+                raise ValueError(f"{name} must be a finite number {span}, got {v!r}")
+        if self.time_limit_s is not None and not (isinstance(self.time_limit_s, (int, float))
+                                                  and self.time_limit_s >= 0):
+            raise ValueError(f"time_limit_s must be >= 0 seconds (or None), got {self.time_limit_s!r}")
+        for name, choices in (("vocab", ("data", "full")), ("precision", ("bf16", "fp32")),
+                              ("init_layers", ("random", "target"))):
+            if getattr(self, name) not in choices:
+                raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}, got {getattr(self, name)!r}")
+        if self.freeze_backbone and not self.head:
+            raise ValueError("freeze_backbone trains the head only: it needs a Domino run with a head")
+        if self.layer_ids is not None and (not self.layer_ids or len(set(self.layer_ids)) != len(self.layer_ids)):
+            raise ValueError(f"layer_ids must be distinct target layers (or None: the store's), got {self.layer_ids}")
+
+
+def _check_int(name: str, value, low: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
+        raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+
 
 def drafter_config(tc: TrainConfig, target, layer_ids) -> DrafterConfig:
     t = target.config
@@ -110,10 +149,6 @@ def train(target, store: FeatureStore, tc: TrainConfig, progress: bool = True):
     """Run (or continue, from tc.out's saved state) a training run; the trained drafter, or None
     when tc.time_limit_s stopped it first."""
     from .domino import domino_loss
-    if tc.freeze_backbone and not tc.head:
-        raise ValueError("freeze_backbone trains the head only: it needs a Domino run with a head")
-    if tc.precision not in ("bf16", "fp32"):
-        raise ValueError(f"precision must be 'bf16' or 'fp32', got {tc.precision!r}")
     out = Path(tc.out)
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(tc.seed)
@@ -123,8 +158,6 @@ def train(target, store: FeatureStore, tc: TrainConfig, progress: bool = True):
     if tc.init_layers == "target":
         from .target_init import init_from_target_layers
         init_from_target_layers(drafter.backbone, target)
-    elif tc.init_layers != "random":
-        raise ValueError(f"init_layers must be 'random' or 'target', got {tc.init_layers!r}")
     head_loaded = init_weights(drafter, tc)
     modules = ([] if tc.freeze_backbone else [drafter.backbone]) + ([drafter.head] if tc.head else [])
     drafter.backbone.float().requires_grad_(not tc.freeze_backbone)

@@ -19,6 +19,9 @@ from .data import read_shards
 class FeatureStore:
     def __init__(self, root: Path):
         self.root = Path(root)
+        if not (self.root / "features.json").is_file():
+            raise FileNotFoundError(f"no feature store in {self.root}: `dominotree train features` writes it "
+                                    f"(after `dominotree train data`)")
         meta = json.loads((self.root / "features.json").read_text())
         self.layer_ids = meta["layer_ids"]
         self.target = meta.get("target")
@@ -104,6 +107,8 @@ class TopkWriter:
 def build_target_topk(target, store: FeatureStore, k: int = 8, batch_tokens: int = 4096) -> FeatureStore:
     """Add the target's top-k next-token log-probs at every position of a feature store: soft labels
     for distillation, and the target's own greedy choice where a response was sampled."""
+    if k < 1:
+        raise ValueError(f"the top-k needs k >= 1, got {k}")
     lens = np.diff(store.offsets)
     writer = TopkWriter(store.root, int(store.offsets[-1]), k)
     for batch in tqdm(length_batches(lens, batch_tokens), desc="target top-k"):
@@ -155,9 +160,17 @@ def build_feature_store(target, data_dir: Path, out: Path, layer_ids: list[int],
     sequences recorded (progress.npy, with the pass it belongs to in progress.json), so a pass that
     was stopped, or ran into `time_limit_s` (no batch starts after it), continues where it
     stopped when called again with the same request. Returns None while the pass is unfinished."""
+    bad = [l for l in layer_ids if isinstance(l, bool) or not isinstance(l, (int, np.integer))
+           or not 0 <= l < target.num_layers]
+    if bad or not layer_ids or len(set(layer_ids)) != len(layer_ids):
+        raise ValueError(f"layer_ids must be distinct target layers 0..{target.num_layers - 1}, got {list(layer_ids)}")
+    if topk < 0:
+        raise ValueError(f"topk must be >= 0 (0: no soft labels), got {topk}")
+    seqs = [s for s in read_shards(data_dir) if len(s.tokens) - s.prompt_len >= 2]
+    if not seqs:
+        raise ValueError(f"no training sequences in {data_dir}: `dominotree train data` writes them")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    seqs = [s for s in read_shards(data_dir) if len(s.tokens) - s.prompt_len >= 2]
     seqs = [type(s)(s.tokens[:max_len], s.prompt_len, s.source) for s in seqs if s.prompt_len < max_len - 2]
     lens = np.array([len(s.tokens) for s in seqs])
     offsets = np.concatenate([[0], np.cumsum(lens)])

@@ -177,13 +177,22 @@ def add_train_parser(sub) -> None:
                         "a timed bf16 product is clearly faster than fp32, else fp32")
 
 
+def int_list(text: str, flag: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",")]
+    except ValueError:
+        raise ValueError(f"{flag} must be comma-separated integers, e.g. 1,14,27; got {text!r}") from None
+
+
 def _target(args):
     import dominotree as dt
     return dt.load_target(args.model)
 
 
 def run_data(args, target=None):
-    from .data import generate_data, seed_dir_for
+    from .data import check_data_request, generate_data, seed_dir_for
+    check_data_request(args.num_prompts, batch_size=getattr(args, "batch_size", 64),
+                       max_new_tokens=getattr(args, "max_new_tokens", 256))
     target = target or _target(args)
     seed_dir = None if getattr(args, "no_seed", False) else seed_dir_for(args.model)
     generate_data(target, Path(args.workdir) / "data", num_prompts=args.num_prompts,
@@ -196,6 +205,7 @@ def run_features(args, target=None):
     from ..target import DTYPES
     from .features import FeatureStore, build_feature_store, build_target_topk, recorded_precision
     root, topk = Path(args.workdir) / "features", getattr(args, "topk", RECIPE["topk"])
+    layers = int_list(str(getattr(args, "layers", ",".join(map(str, RECIPE["layer_ids"])))), "--layers")
     precision = getattr(args, "precision", "auto")
     recorded = recorded_precision(root) if precision == "auto" else None
     if recorded:
@@ -207,7 +217,6 @@ def run_features(args, target=None):
     if getattr(args, "add_topk", False):
         build_target_topk(target, FeatureStore(root), topk)
         return
-    layers = [int(x) for x in str(getattr(args, "layers", ",".join(map(str, RECIPE["layer_ids"])))).split(",")]
     build_feature_store(target, Path(args.workdir) / "data", root, layers, topk=topk,
                         time_limit_s=getattr(args, "time_limit", None))
 
@@ -215,15 +224,13 @@ def run_features(args, target=None):
 def run_train(args, name: str, target=None):
     from .dflash import TrainConfig, train
     from .features import FeatureStore
-    target = target or _target(args)
-    store = FeatureStore(Path(args.workdir) / "features")
     head = name == "domino" and not getattr(args, "no_head", False)
     tc = TrainConfig(
         out=args.out or str(Path(args.workdir) / name), steps=args.steps, lr=getattr(args, "lr", 1e-3),
         seqs_per_step=getattr(args, "seqs_per_step", RECIPE["seqs_per_step"]),
         anchors_per_seq=getattr(args, "anchors_per_seq", RECIPE["anchors_per_seq"]),
         num_layers=getattr(args, "num_layers", RECIPE["num_layers"]),
-        layer_ids=[int(x) for x in args.layers.split(",")] if getattr(args, "layers", None) else None,
+        layer_ids=int_list(args.layers, "--layers") if getattr(args, "layers", None) else None,
         block_size=RECIPE["block_size"],
         head=head, shift_label=RECIPE["shift_label"], init_from=getattr(args, "init_from", None),
         emb_dim=getattr(args, "emb_dim", RECIPE["emb_dim"]), gru_hidden_dim=getattr(args, "gru_hidden_dim", RECIPE["gru_hidden_dim"]),
@@ -237,7 +244,8 @@ def run_train(args, name: str, target=None):
         anchor_fusion=getattr(args, "anchor_fusion", False),
         pure_draft_prefix_len=getattr(args, "prefix_len", RECIPE["prefix_len"]),
         time_limit_s=getattr(args, "time_limit", None))
-    if train(target, store, tc) is None:
+    store = FeatureStore(Path(args.workdir) / "features")     # both checked before the target loads
+    if train(target or _target(args), store, tc) is None:
         return None         # stopped at the time limit; the run dir holds the state to continue from
     return Path(tc.out) / "model"
 
