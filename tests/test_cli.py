@@ -105,17 +105,18 @@ def test_errors_exit_2_with_one_line(tiny_llama_dir, capsys, argv, match):
 @pytest.mark.parametrize("argv, match", [
     (["train", "dflash", "--steps", "0"], "steps must be an integer >= 1"),
     (["train", "domino", "--anchors-per-seq", "0"], "anchors_per_seq"),
-    (["train", "dflash", "--layers", "1,x"], "--layers must be comma-separated integers"),
+    (["train", "dflash", "--layers", "1,x"], "--layers must be comma-separated integers, got"),
     (["train", "data", "--num-prompts", "-5"], "num_prompts must be an integer >= 1"),
-    (["train", "features", "--layers", "1,x"], "--layers must be comma-separated integers"),
+    (["train", "features", "--layers", "1,x"], "--layers must be comma-separated integers, got"),
+    (["profile", "--contexts", "128,x"], "--contexts must be comma-separated integers, got"),
 ])
-def test_bad_training_flags_exit_2_before_the_target_loads(capsys, monkeypatch, tmp_path, argv, match):
+def test_bad_training_and_profile_flags_exit_2_before_the_target_loads(capsys, monkeypatch, tmp_path, argv, match):
     import dominotree as dt
 
     def no_load(*a, **k):
         raise AssertionError("the target loaded before the flags were checked")
     monkeypatch.setattr(dt, "load_target", no_load)
-    code, _, err = run_cli(capsys, *argv, "--workdir", str(tmp_path))
+    code, _, err = run_cli(capsys, *argv, *(["--workdir", str(tmp_path)] if argv[0] == "train" else []))
     assert code == 2 and match in err and "Traceback" not in err
 
 

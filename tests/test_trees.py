@@ -349,6 +349,18 @@ def test_profile_measures_every_tree_size_and_leaves_the_target_clean(tiny_targe
     assert before == dt.generate(tiny_target, None, [5, 6, 7], method="ar", max_new_tokens=12).token_ids
 
 
+@pytest.mark.parametrize("bad, match", [
+    ({"max_nodes": 0}, "max_nodes must be an integer >= 1"), ({"repeats": 0}, "repeats must be"),
+    ({"contexts": ()}, "contexts must be distinct"), ({"contexts": (-5,)}, "contexts must be distinct"),
+    ({"contexts": (8, 8)}, "contexts must be distinct"), ({"contexts": (250,)}, "exceed the target's context of 256"),
+])
+def test_a_bad_profile_request_is_refused_before_any_timing(tiny_target, bad, match):
+    length = tiny_target.length
+    with pytest.raises(ValueError, match=match):
+        profile(tiny_target, None, **{"max_nodes": 6, "contexts": (8,), "repeats": 1, "progress": False, **bad})
+    assert tiny_target.length == length        # nothing ran on the target
+
+
 def test_profile_warms_every_tree_size_before_timing_it(tiny_target, monkeypatch):
     """A shape's first verify is slow on CPU (kernel creation); that one-off cost must not enter the curve."""
     from conftest import random_drafter

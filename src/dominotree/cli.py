@@ -9,7 +9,7 @@ import os
 import sys
 
 from . import __version__
-from .config import METHODS
+from .config import METHODS, int_list
 
 
 class UsageError(Exception):
@@ -79,12 +79,13 @@ def cmd_models(args) -> int:
 def cmd_profile(args) -> int:
     from .models import cache_dir
     from .trees.caddtree import profile
+    contexts = int_list(args.contexts, "--contexts")
     target, drafter = _load(args, True)
     vocab = None
     if args.draft_vocab:
         from .draft_vocab import draft_vocab_for
         vocab = draft_vocab_for(target, args.draft_vocab, args.draft_vocab_source)
-    cm = profile(target, drafter, max_nodes=args.max_nodes, contexts=[int(c) for c in args.contexts.split(",")],
+    cm = profile(target, drafter, max_nodes=args.max_nodes, contexts=contexts,
                  repeats=args.repeats, vocab=vocab)
     out = args.out or str(cache_dir() / "cost_model.json")
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)

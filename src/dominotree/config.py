@@ -99,3 +99,11 @@ class SpecConfig:
         if unknown:
             raise TypeError(f"unknown generation option(s): {', '.join(unknown)}")
         return cls(**kwargs)
+
+
+def int_list(text: str, flag: str) -> list[int]:
+    """A comma-separated flag value as integers, or a ValueError that names the flag."""
+    try:
+        return [int(x) for x in str(text).split(",")]
+    except ValueError:
+        raise ValueError(f"{flag} must be comma-separated integers, got {text!r}") from None

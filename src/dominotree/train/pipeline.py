@@ -8,6 +8,7 @@ import argparse
 import shutil
 from pathlib import Path
 
+from ..config import int_list
 from .precision import CHOICES, resolve_precision
 
 # The recipe for SmolLM2-135M (30 layers, hidden 576), sized for a 2-core CPU (see docs/TRAINING.md).
@@ -175,13 +176,6 @@ def add_train_parser(sub) -> None:
     a.add_argument("--precision", choices=CHOICES, default="auto",
                    help="features and training (data is always written in bf16); auto: bf16 with AMX or where "
                         "a timed bf16 product is clearly faster than fp32, else fp32")
-
-
-def int_list(text: str, flag: str) -> list[int]:
-    try:
-        return [int(x) for x in text.split(",")]
-    except ValueError:
-        raise ValueError(f"{flag} must be comma-separated integers, e.g. 1,14,27; got {text!r}") from None
 
 
 def _target(args):

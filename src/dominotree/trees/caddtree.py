@@ -93,6 +93,15 @@ def profile(target, drafter, max_nodes: int = 64, contexts=(128, 512, 1024), rep
     """Measure C_verify(n, ctx) with random trees of n nodes (+ root) and C_draft, then fit.
     `vocab`: a DraftVocab the drafts are timed with (the `draft_vocab` the methods will run with)."""
     from tqdm import tqdm
+    contexts = list(contexts)
+    for name, value in (("max_nodes", max_nodes), ("repeats", repeats)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    if not contexts or len(set(contexts)) != len(contexts) or min(contexts) < 1:
+        raise ValueError(f"contexts must be distinct lengths >= 1, got {contexts}")
+    if max(contexts) + max_nodes + 1 > target.max_context:
+        raise ValueError(f"a context of {max(contexts)} tokens and a tree of {max_nodes} nodes (+ root) exceed "
+                         f"the target's context of {target.max_context}")
     g = torch.Generator().manual_seed(seed)
     V = target.vocab_size
     samples: dict[int, dict[int, list[float]]] = {}
