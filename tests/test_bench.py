@@ -293,6 +293,21 @@ def test_bad_flags_exit_2_without_a_traceback(capsys):
     assert "finite temperatures" in capsys.readouterr().err
 
 
+def test_an_unusable_out_or_no_method_fails_before_the_model_loads(capsys, tmp_path):
+    (tmp_path / "a-file").write_text("")
+    for out in (tmp_path / "a-file", tmp_path / "a-file" / "sub"):
+        assert cli_main(["bench", "--model", "no-such-model", "--max-samples", "1", "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert "a-file is a file, not a directory" in err and "unknown model" not in err
+    assert cli_main(["bench", "--methods", ",", "--out", str(tmp_path / "x")]) == 2
+    assert "names no method" in capsys.readouterr().err
+    # train eval and profile write one file: a directory there is refused before any work, not after it
+    for argv in (["train", "eval", "--drafters", "smollm2-135m-dflash"], ["profile"]):
+        assert cli_main([*argv, "--model", "no-such-model", "--out", str(tmp_path)]) == 2
+        err = capsys.readouterr().err
+        assert "is a directory; give a file name" in err and "unknown model" not in err
+
+
 def test_first_divergence():
     assert first_divergence([1, 2, 3], [1, 2, 3]) is None
     assert first_divergence([1, 2, 3], [1, 5, 3]) == 1

@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
 from . import __version__
-from .config import METHODS, int_list
+from .config import METHODS, int_list, output_file
 
 
 class UsageError(Exception):
@@ -80,6 +79,7 @@ def cmd_profile(args) -> int:
     from .models import cache_dir
     from .trees.caddtree import profile
     contexts = int_list(args.contexts, "--contexts")
+    out = output_file(args.out or cache_dir() / "cost_model.json", "--out")
     target, drafter = _load(args, True)
     vocab = None
     if args.draft_vocab:
@@ -87,9 +87,7 @@ def cmd_profile(args) -> int:
         vocab = draft_vocab_for(target, args.draft_vocab, args.draft_vocab_source)
     cm = profile(target, drafter, max_nodes=args.max_nodes, contexts=contexts,
                  repeats=args.repeats, vocab=vocab)
-    out = args.out or str(cache_dir() / "cost_model.json")
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    cm.save(out)
+    cm.save(str(out))
     print(f"C_draft {cm.c_draft:.1f} ms; C_verify(1..{args.max_nodes}) at ctx {min(cm.curves)}: "
           f"{cm.c_verify(1, min(cm.curves)):.1f} .. {cm.c_verify(args.max_nodes, min(cm.curves)):.1f} ms -> {out}")
     return 0
@@ -200,7 +198,7 @@ def main(argv=None) -> int:
     from .offline_data import DatasetUnavailable
     try:
         return args.func(args) or 0
-    except (ValueError, UsageError, ModelNotFoundError, DrafterLoadError, DatasetUnavailable, FileNotFoundError) as e:
+    except (ValueError, UsageError, ModelNotFoundError, DrafterLoadError, DatasetUnavailable, OSError) as e:
         print(f"dominotree: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -1,8 +1,11 @@
-"""SpecConfig: every knob of a generation call in one place, validated once."""
+"""SpecConfig: every knob of a generation call in one place, validated once; and the checks of the
+flag values (lists, output paths) that the CLI commands share."""
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 
 from .trees.datastore import SORT_DEPTH
 
@@ -101,9 +104,36 @@ class SpecConfig:
         return cls(**kwargs)
 
 
+# Flag values the CLI commands share, checked before a model loads: a long run must not end in a
+# traceback because its output path was unusable.
+
 def int_list(text: str, flag: str) -> list[int]:
     """A comma-separated flag value as integers, or a ValueError that names the flag."""
     try:
         return [int(x) for x in str(text).split(",")]
     except ValueError:
         raise ValueError(f"{flag} must be comma-separated integers, got {text!r}") from None
+
+
+def output_dir(path, flag: str) -> Path:
+    """`path` made (parents too) as a directory, or a ValueError that names the flag."""
+    path = Path(path)
+    blocker = next((a for a in (path, *path.parents) if a.exists() and not a.is_dir()), None)
+    if blocker is not None:
+        raise ValueError(f"{flag} {path}: {blocker} is a file, not a directory")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"{flag} {path}: cannot make this directory ({e.strerror or e})") from None
+    return path
+
+
+def output_file(path, flag: str) -> Path:
+    """`path` checked writable as a file (its directory made), or a ValueError that names the flag."""
+    path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"{flag} {path} is a directory; give a file name")
+    output_dir(path.parent, flag)
+    if not os.access(path.parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise ValueError(f"{flag} {path}: not writable")
+    return path

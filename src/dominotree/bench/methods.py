@@ -127,6 +127,8 @@ def expand_methods(methods: str | None, preset: str | None) -> list[MethodSpec]:
             specs[-1] += "," + piece
         else:
             specs.append(piece)
+    if not specs:
+        raise ValueError(f"--methods {methods!r} names no method")
     out, seen = [parse_method("ar")], {"ar"}
     for s in specs:
         m = parse_method(s)

@@ -165,7 +165,8 @@ def plot(rows: list[dict], records: list[dict], out: Path) -> list[Path]:
         ax.set_xticks(range(len(dss)), dss)
         ax.set_title(f"speedup vs {BASELINE}, T={t}")
     axes[0][0].set_ylabel("speedup (mean of per-prompt ratios)")
-    axes[0][-1].legend(fontsize=7)
+    if axes[0][-1].containers:      # none when ar is the only method
+        axes[0][-1].legend(fontsize=7)
     save(fig, "speedup.png")
 
     # tau vs budget, for method families whose configured budget varies

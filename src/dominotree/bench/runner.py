@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+from ..config import output_dir
 from ..drafters.lean import module_path
 from ..gqa_attention import stock_attention
 from ..lean_target import transformers_forward
@@ -97,6 +98,7 @@ def main(args) -> int:
             raise ValueError(f"{flag} must be >= {lo}, got {v}")
     build_spec = build_time_options(args) if args.build_time else None   # fail before loading anything
     prompts = load_prompts(args)
+    out = output_dir(args.out, "--out")
 
     import dominotree as dt
     target = dt.load_target(args.model, dtype=args.dtype, pack=not args.no_pack, gqa=not args.no_gqa)
@@ -104,8 +106,6 @@ def main(args) -> int:
         return build_time(args, target, prompts, build_spec)
     names = {"dflash": args.dflash_drafter, "domino": args.domino_drafter}
     drafters = {k: dt.load_drafter(names[k], target=target, pack=not args.no_pack) for k in dict.fromkeys(s.drafter for s in specs) if k}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     cost_model = ensure_cost_model(args, target, drafters, specs, out)
     info = {"command": command_line(args), "model": args.model, "packed": target.packed,
             "gqa_attention": target.gqa_attention, "lean_target": target.lean, "tree_attention": tree_attention_status(),

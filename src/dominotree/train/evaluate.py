@@ -7,7 +7,6 @@ without plain decoding alongside (`dominotree bench` is where outputs are checke
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from statistics import mean
 
 from tqdm import tqdm
@@ -106,6 +105,8 @@ def markdown(rows: list[dict], pairs: list[dict] | None = None) -> str:
 def main(args, target=None) -> int:
     import dominotree as dt
     from ..bench.runner import load_prompts, select_per_dataset
+    from ..config import output_file
+    out = output_file(args.out, "--out") if args.out else None     # not after the whole evaluation
     target = target or dt.load_target(args.model)
     args.prompts_file = getattr(args, "prompts_file", None)
     if getattr(args, "training_prompts", None):
@@ -122,8 +123,6 @@ def main(args, target=None) -> int:
     pairs = comparisons(rows)
     table = markdown(rows, pairs)
     print(table)
-    if args.out:
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
+    if out is not None:
         out.write_text(json.dumps({"rows": rows, "comparisons": pairs, "markdown": table}, indent=2))
     return 0
