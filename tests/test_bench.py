@@ -100,7 +100,9 @@ def test_a_lossy_method_fails_the_equality_check(bench_env, tiny_llama_dir, tmp_
     recs = read_jsonl(out / "results.jsonl")
     assert any(r["equality"] and r["equality"]["match"] == "diverged" for r in recs)
     assert "FAILED" in (out / "summary.md").read_text()
+    (out / "tau_vs_budget.png").write_bytes(b"an earlier run's budget sweep")
     assert cli_main(["bench", "--report-only", str(out)]) == 1     # the verdict survives a re-derivation
+    assert not (out / "tau_vs_budget.png").exists()                # no sweep in this run: no stale plot
     # ... and a second opinion: a lossy method stays diverged in plain decoding's own steps
     assert cli_main(["bench", "--report-only", str(out), "--recheck"]) == 1
     again = [r["equality"] for r in read_jsonl(out / "results.jsonl") if r["equality"]]

@@ -188,6 +188,8 @@ def plot(rows: list[dict], records: list[dict], out: Path) -> list[Path]:
         ax.set(xlabel="budget (tree nodes)", ylabel="tau (bonus included)", title=f"tau vs budget ({overall_ds})")
         ax.legend(fontsize=7)
         save(fig, "tau_vs_budget.png")
+    else:       # an earlier run's budget sweep in this dir must not pass for this run's
+        (out / "tau_vs_budget.png").unlink(missing_ok=True)
 
     # acceptance per position, one line per method
     fig, axes = plt.subplots(1, len(temps), figsize=(6 * len(temps), 4), squeeze=False, sharey=True)
