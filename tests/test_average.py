@@ -59,6 +59,18 @@ def test_different_architectures_and_bad_weights_are_refused(tmp_path):
     assert not (tmp_path / "x").exists()         # nothing half-written
 
 
+def test_the_mean_is_never_written_over_a_checkpoint_it_averages(tmp_path):
+    a, b = _write(tmp_path, "a", seed=1), _write(tmp_path, "b", seed=2)
+    before = (a / "model.safetensors").read_bytes()
+    for out in (a, tmp_path / "." / "a"):
+        with pytest.raises(ValueError, match="is one of the checkpoints averaged"):
+            average_checkpoints([a, b], [1, 1], out)
+    assert (a / "model.safetensors").read_bytes() == before     # it used to hold the mean, then fail
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(ValueError, match="a-file is a file, not a directory"):
+        average_checkpoints([a, b], [1, 1], tmp_path / "a-file")
+
+
 def test_the_cli_stage_averages_with_equal_weights_by_default(tmp_path, capsys):
     a, b = _write(tmp_path, "a", seed=1), _write(tmp_path, "b", seed=2)
     rc = cli_main(["train", "average", "--drafters", f"{a},{b}", "--out", str(tmp_path / "mean")])

@@ -12,12 +12,15 @@ from pathlib import Path
 
 from safetensors.torch import save_file
 
+from ..config import output_dir
 from ..drafters.checkpoint import read_raw_config, read_state
 
 
 def average_checkpoints(dirs: list[Path], weights: list[float], out: Path) -> Path:
     """Write the weighted mean of the checkpoints in dirs to out (config.json + model.safetensors)."""
-    dirs = [Path(d) for d in dirs]
+    dirs, out = [Path(d) for d in dirs], Path(out)
+    if any(out.resolve() == d.resolve() for d in dirs):     # its weights would be replaced by the mean
+        raise ValueError(f"the output {out} is one of the checkpoints averaged; write the mean to another directory")
     if len(dirs) < 2:
         raise ValueError("averaging needs at least two checkpoints")
     if len(weights) != len(dirs):
@@ -40,8 +43,7 @@ def average_checkpoints(dirs: list[Path], weights: list[float], out: Path) -> Pa
     total = float(sum(weights))
     mean = {k: (sum(sd[k].float() * (w / total) for sd, w in zip(states, weights))).to(first[k].dtype)
             for k in first}
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    output_dir(out, "the output")
     save_file(mean, out / "model.safetensors", metadata={"format": "pt"})
     shutil.copyfile(dirs[0] / "config.json", out / "config.json")
     (out / "averaged_from.json").write_text(json.dumps(
