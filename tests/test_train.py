@@ -38,6 +38,12 @@ def test_data_is_resumable_and_compact(tiny_target, tiny_data):
     s = next(s for s in seqs if not s.source.endswith("/sampled"))
     r = dt.generate(tiny_target, None, s.tokens[:s.prompt_len].tolist(), method="ar", max_new_tokens=40)
     assert r.token_ids == s.tokens[s.prompt_len:].tolist()
+    # another recipe in the same dir would have resumed these shards as its own, and rewritten meta.json
+    meta = (root / "data" / "meta.json").read_text()
+    with pytest.raises(ValueError, match="max_new_tokens=40, not max_new_tokens=64"):
+        generate_data(tiny_target, root / "data", num_prompts=48, shard_size=16, batch_size=16, max_new_tokens=64,
+                      sampled_every=3)
+    assert (root / "data" / "meta.json").read_text() == meta and [s.stat().st_mtime_ns for s in shards] == before
 
 
 def test_features_match_the_target(tiny_target, tiny_data):

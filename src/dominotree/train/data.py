@@ -81,6 +81,7 @@ def generate_data(target, out: Path, num_prompts: int = 6000, shard_size: int = 
     n_shards = (len(prompts) + shard_size - 1) // shard_size
     meta = {"num_prompts": len(prompts), "shard_size": shard_size, "max_new_tokens": max_new_tokens,
             "sampled_every": sampled_every, "temperature": temperature, "seed": seed, "target": target.name}
+    _check_same_recipe(out, meta)
     (out / "meta.json").write_text(json.dumps(meta, indent=2))
     seeds = _matching_seed_dir(seed_dir, meta)
     t0, made = time.time(), 0
@@ -118,6 +119,18 @@ def check_data_request(num_prompts: int, shard_size: int = 256, batch_size: int 
             raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
     if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature > 0):
         raise ValueError(f"temperature (of the sampled responses) must be a finite number > 0, got {temperature!r}")
+
+
+def _check_same_recipe(out: Path, meta: dict) -> None:
+    """Shards already in `out` are resumed as this run's: refuse them when another target or recipe
+    wrote them (mixed shards, and a meta.json rewritten to claim them, would pass for one dataset)."""
+    if not (out / "meta.json").is_file():
+        return
+    held = json.loads((out / "meta.json").read_text())
+    differ = [k for k in meta if k != "num_prompts" and k in held and held[k] != meta[k]]
+    if differ:
+        raise ValueError(f"{out} holds data written with {', '.join(f'{k}={held[k]!r}' for k in differ)}, not "
+                         f"{', '.join(f'{k}={meta[k]!r}' for k in differ)}; use another workdir to write it anew")
 
 
 def _matching_seed_dir(seed_dir: Path | None, meta: dict) -> Path | None:
