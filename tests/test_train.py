@@ -285,6 +285,14 @@ def test_training_resumes(tiny_target, tiny_data, tmp_path):
     train(tiny_target, store, TrainConfig(steps=15, **kw), progress=False)
     log = [json.loads(l) for l in open(tmp_path / "r" / "log.jsonl")]
     assert [r["step"] for r in log] == [5, 10, 15] and log[-1]["loss"] > 0
+    # only the length (and pause) of a run change when it continues: another recipe is refused
+    held = (tmp_path / "r" / "train_config.json").read_text()
+    with pytest.raises(ValueError, match="started with lr=0.001, gamma=7.0, not lr=0.0005, gamma=2.0"):
+        train(tiny_target, store, TrainConfig(steps=20, lr=5e-4, gamma=2.0, **kw), progress=False)
+    assert (tmp_path / "r" / "train_config.json").read_text() == held
+    kw["out"] = str(tmp_path / "." / "r")                              # the same dir, spelt otherwise
+    train(tiny_target, store, TrainConfig(steps=20, time_limit_s=600, **kw), progress=False)
+    assert [json.loads(l)["step"] for l in open(tmp_path / "r" / "log.jsonl")][-1] == 20
 
 
 def test_training_vocab_is_the_data_tokens(tiny_data):

@@ -115,6 +115,25 @@ class TrainConfig:
             raise ValueError(f"layer_ids must be distinct target layers (or None: the store's), got {self.layer_ids}")
 
 
+# what may change when a run continues: its length, where it pauses, the CPU's number format (and
+# the spelling of its path)
+CONTINUE_MAY_CHANGE = ("out", "steps", "time_limit_s", "precision")
+
+
+def _check_same_run(out: Path, tc: TrainConfig) -> None:
+    """A run dir continues only the run it holds: another recipe would resume its weights and
+    optimiser under new settings and rewrite train_config.json to claim them."""
+    path = out / "train_config.json"
+    if not path.is_file():
+        return
+    held, now = json.loads(path.read_text()), json.loads(json.dumps(asdict(tc)))
+    differ = [k for k in now if k not in CONTINUE_MAY_CHANGE and k in held and held[k] != now[k]]
+    if differ:
+        raise ValueError(f"{out} holds a run started with {', '.join(f'{k}={held[k]!r}' for k in differ)}, not "
+                         f"{', '.join(f'{k}={now[k]!r}' for k in differ)}; only --steps and --time-limit change "
+                         f"when a run continues: give a new run another --out")
+
+
 def _check_int(name: str, value, low: int) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
         raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
@@ -181,6 +200,7 @@ def train(target, store: FeatureStore, tc: TrainConfig, progress: bool = True):
     step = 0
     gen = torch.Generator().manual_seed(tc.seed)
     if state_file.exists():
+        _check_same_run(out, tc)
         st = torch.load(state_file, weights_only=False)
         drafter.backbone.load_state_dict(st["backbone"])
         if tc.head:
