@@ -344,6 +344,8 @@ def test_the_serve_command_answers_and_a_busy_port_is_one_clear_error(tiny_llama
     monkeypatch.setattr("dominotree.load_target", lambda *a, **k: loads.append(a))
     assert main(["serve", "--model", str(tiny_llama_dir), "--method", "ar", "--port", str(port)]) == 2
     assert "cannot listen on 127.0.0.1:%d" % port in capsys.readouterr().err and not loads   # before the model
+    assert main(["serve", "--model", str(tiny_llama_dir), "--method", "ar", "--port", "70000"]) == 2
+    assert "--port must be 0-65535, got 70000" in capsys.readouterr().err and not loads      # not an OverflowError
     busy.close()
     monkeypatch.undo()
     # the command itself, in a process of its own, serves the model on the now free port

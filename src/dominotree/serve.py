@@ -400,6 +400,8 @@ def create_app(target, drafter, method: str = "dominotree", model_name: str | No
 
 def _listen(host: str, port: int) -> socket.socket:
     """The server's socket, bound before the model loads: a port in use is one clear error at once."""
+    if not 0 <= port <= 65535:
+        raise ValueError(f"--port must be 0-65535, got {port}")
     try:
         return socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
     except OSError as e:
