@@ -120,6 +120,21 @@ def test_bad_training_and_profile_flags_exit_2_before_the_target_loads(capsys, m
     assert code == 2 and match in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize("argv, module, extra", [
+    (["bench", "--methods", "ar", "--out", "unused"], "matplotlib", "bench"),
+    (["bench", "--report-only", "unused"], "matplotlib", "bench"),
+    (["serve", "--method", "ar"], "fastapi", "serve"),
+    (["serve", "--method", "ar"], "uvicorn", "serve"),
+])
+def test_a_missing_extra_is_named_before_the_command_runs(capsys, monkeypatch, argv, module, extra):
+    import sys
+    import dominotree as dt
+    monkeypatch.setitem(sys.modules, module, None)       # as if the extra were not installed
+    monkeypatch.setattr(dt, "load_target", lambda *a, **k: pytest.fail("the model loaded"))
+    code, _, err = run_cli(capsys, *argv)
+    assert code == 2 and f"needs {module}: pip install 'dominotree[{extra}]'" in err and "Traceback" not in err
+
+
 def test_unknown_method_is_a_usage_error(capsys):
     with pytest.raises(SystemExit) as e:
         main(["generate", "--method", "beam", "hi"])

@@ -93,17 +93,28 @@ def cmd_profile(args) -> int:
     return 0
 
 
-def cmd_train(args) -> int:
-    from .train import pipeline
-    return pipeline.main(args)
+def require_extra(extra: str, *modules: str) -> None:
+    """A UsageError naming the pip extra when a command's optional dependencies are missing (at
+    once, not after a long run: the bench's plots come last)."""
+    import importlib
+    missing = []
+    for m in modules:
+        try:
+            importlib.import_module(m)
+        except ImportError:
+            missing.append(m)
+    if missing:
+        raise UsageError(f"this command needs {', '.join(missing)}: pip install 'dominotree[{extra}]'")
 
 
 def cmd_bench(args) -> int:
+    require_extra("bench", "matplotlib")
     from .bench import runner
     return runner.main(args)
 
 
 def cmd_serve(args) -> int:
+    require_extra("serve", "fastapi", "uvicorn")
     from . import serve
     return serve.main(args)
 
@@ -175,6 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_train_parser(sub)
     from .bench.runner import add_bench_parser
     add_bench_parser(sub)
+    sub.choices["bench"].set_defaults(func=cmd_bench)     # its extra checked before the run
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     model_flags(s)   # default drafter: chosen by the method, as in `generate`
