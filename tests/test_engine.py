@@ -182,3 +182,35 @@ def test_unknown_option_is_rejected(tiny_target):
 def test_unknown_model_name():
     with pytest.raises(dt.ModelNotFoundError, match="unknown model"):
         dt.load_target("no-such-model")
+
+
+def _hub_cache_entry(cache, repo_id, files_from):
+    """A Hugging Face cache holding one snapshot of repo_id (the layout huggingface_hub writes)."""
+    import shutil
+    repo = cache / ("models--" + repo_id.replace("/", "--"))
+    shutil.copytree(files_from, repo / "snapshots" / "0123abcd")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0123abcd")
+
+
+def test_hub_ids_load_from_the_hugging_face_cache_offline(tiny_llama_dir, ckpt_dir, tmp_path, monkeypatch):
+    import huggingface_hub.constants
+    cache = tmp_path / "hub"
+    drafter_dir, _ = ckpt_dir(True)
+    _hub_cache_entry(cache, "someone/tiny-llama", tiny_llama_dir)
+    _hub_cache_entry(cache, "someone/tiny-domino", drafter_dir)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    target = dt.load_target("someone/tiny-llama", dtype=torch.float32)
+    drafter = dt.load_drafter("someone/tiny-domino", target=target)
+    want = dt.generate(dt.load_target(str(tiny_llama_dir), dtype=torch.float32), None, [5, 6, 7], method="ar",
+                       max_new_tokens=12).token_ids
+    assert dt.generate(target, drafter, [5, 6, 7], method="dominotree", max_new_tokens=12).token_ids == want
+    # an id the cache lacks: offline, one clear error (no download tried); a path that exists stays a path
+    for name, load in (("someone/absent", dt.load_target), ("someone/absent-drafter", dt.load_drafter)):
+        with pytest.raises(dt.ModelNotFoundError, match="not in the Hugging Face cache, and HF_HUB_OFFLINE is set"):
+            load(name)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "someone" / "tiny-llama").mkdir(parents=True)
+    with pytest.raises(dt.ModelNotFoundError, match="has no config.json"):
+        dt.load_target("someone/tiny-llama")

@@ -7,7 +7,7 @@ from .trees.tree import DraftTree
 
 
 def load_drafter(name_or_path, target=None, **kwargs):
-    """A DFlash or Domino drafter from a bundled name or a local checkpoint directory."""
+    """A DFlash or Domino drafter from a bundled name, a local checkpoint directory or a Hub id."""
     from .drafters import load_drafter as _load
     return _load(name_or_path, target=target, **kwargs)
 

@@ -115,16 +115,48 @@ def _replace_dir(src: Path, dst: Path) -> None:
     src.rename(dst)
 
 
+# What a model or drafter needs from a Hub repository (no .bin/.pth/.gguf/.onnx copies of the weights).
+HUB_FILES = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja", "*.tiktoken"]
+
+
+def is_hub_id(name: str) -> bool:
+    """'owner/name', as the Hugging Face Hub spells a repository (a path that exists is a path)."""
+    parts = name.split("/")
+    return (len(parts) == 2 and all(parts) and not name.startswith((".", "~"))
+            and not Path(name).expanduser().exists())
+
+
+def hub_snapshot(repo_id: str, what: str) -> Path:
+    """The repository's local snapshot: from the Hugging Face cache, else downloaded (unless
+    HF_HUB_OFFLINE is set). A ModelNotFoundError says which of the two failed."""
+    from huggingface_hub import snapshot_download
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=HUB_FILES, local_files_only=True))
+    except Exception:
+        pass
+    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
+        raise ModelNotFoundError(f"{what} {repo_id!r}: no such local directory, not in the Hugging Face cache, "
+                                 f"and HF_HUB_OFFLINE is set")
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=HUB_FILES))
+    except Exception as e:
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ModelNotFoundError(f"{what} {repo_id!r}: no such local directory, not in the Hugging Face cache, "
+                                 f"and not downloadable ({reason})") from None
+
+
 def resolve_target(name_or_path: str) -> Path:
     if name_or_path in TARGETS:
         return embedded_target_dir(name_or_path)
     path = Path(name_or_path).expanduser()
+    if not path.is_dir() and is_hub_id(name_or_path):
+        path = hub_snapshot(name_or_path, "model")
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise ModelNotFoundError(f"{path} has no config.json: not a Hugging Face model directory")
         return path
-    raise ModelNotFoundError(
-        f"unknown model {name_or_path!r}: not a named model ({', '.join(TARGETS)}) nor a local directory")
+    raise ModelNotFoundError(f"unknown model {name_or_path!r}: not a named model ({', '.join(TARGETS)}), "
+                             f"a local directory nor a Hugging Face repository id (owner/name)")
 
 
 def resolve_drafter(name_or_path: str) -> Path:
@@ -136,10 +168,12 @@ def resolve_drafter(name_or_path: str) -> Path:
                 "train it with `dominotree train all` (or set DOMINOTREE_CHECKPOINTS)")
         return path
     path = Path(name_or_path).expanduser()
+    if not path.is_dir() and is_hub_id(name_or_path):
+        path = hub_snapshot(name_or_path, "drafter")
     if path.is_dir():
         return path
-    raise ModelNotFoundError(
-        f"unknown drafter {name_or_path!r}: not a bundled drafter ({', '.join(DRAFTERS)}) nor a local directory")
+    raise ModelNotFoundError(f"unknown drafter {name_or_path!r}: not a bundled drafter ({', '.join(DRAFTERS)}), "
+                             f"a local directory nor a Hugging Face repository id (owner/name)")
 
 
 def list_models() -> list[dict]:

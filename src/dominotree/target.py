@@ -267,7 +267,8 @@ DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.floa
 
 def load_target(name_or_path: str = "smollm2-135m", dtype: str | torch.dtype | None = None,
                 device: str = "cpu", pack: bool = True, gqa: bool = True, lean: bool = True) -> TargetModel:
-    """Load the embedded default (by name) or any local HF causal-LM directory, offline.
+    """Load the embedded default (by name), any local HF causal-LM directory (offline), or a Hub id
+    (owner/name: from the Hugging Face cache, else downloaded unless HF_HUB_OFFLINE is set).
 
     `pack` re-blocks bf16 linear weights on CPU once for oneDNN (packed.py): the same logits,
     faster steps; a no-op for other dtypes and devices. `pack=False` keeps the plain modules.

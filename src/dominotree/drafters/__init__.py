@@ -7,7 +7,7 @@ from .domino import DominoDrafter, DominoHead
 
 
 def load_drafter(name_or_path, target=None, dtype=None, pack: bool = True):
-    """A bundled drafter name or a local checkpoint dir; checked against `target` when given.
+    """A bundled drafter name, a local checkpoint dir or a Hub id; checked against `target` when given.
     `pack`: pre-packed bf16 linears on CPU (packed.py), as `load_target`."""
     from ..models import resolve_drafter
     drafter = load_checkpoint(resolve_drafter(str(name_or_path)), dtype=dtype, pack=pack)
