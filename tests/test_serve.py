@@ -126,6 +126,10 @@ def test_top_k_is_honoured_and_no_op_options_are_accepted(base):
     same = chat(base, "hello world", max_tokens=30, presence_penalty=0, frequency_penalty=0.0, logprobs=False,
                 logit_bias={}, top_k=-1)
     assert same["choices"][0]["message"]["content"] == greedy
+    # text content parts (as newer clients send them) are the same prompt as a string
+    parts = httpx.post(f"{base}/v1/chat/completions", timeout=60, json={"max_tokens": 30, "temperature": 0, "messages": [
+        {"role": "user", "content": [{"type": "text", "text": "hello "}, {"type": "text", "text": "world"}]}]}).json()
+    assert parts["choices"][0]["message"]["content"] == greedy
 
 
 def test_concurrent_clients_get_their_own_answers(client):
@@ -176,6 +180,9 @@ LONG = "hello " * 300   # the tiny model's context is 256 tokens
      "invalid_type"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hello"}], "logprobs": True}, 400,
      "logprobs", "unsupported_parameter"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "what is this?"}, {"type": "image_url", "image_url": {"url": "data:,"}}]}]}, 400,
+     "messages", "invalid_value"),
     ("/v1/completions", {"prompt": "hello", "presence_penalty": 0.5}, 400, "presence_penalty",
      "unsupported_parameter"),
     ("/v1/completions", {"prompt": "hello", "logit_bias": {"5": 100}}, 400, "logit_bias", "unsupported_parameter"),

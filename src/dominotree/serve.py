@@ -88,10 +88,14 @@ def _message_text(m, i: int) -> dict:
     if not isinstance(m, dict) or not isinstance(m.get("role"), str):
         raise APIError(400, f"messages[{i}] must be an object with a string 'role'", "messages", "invalid_type")
     content = m.get("content")
-    if isinstance(content, list):   # content parts: keep the text ones
+    if isinstance(content, list):   # content parts: text only (an image dropped would be answered as unseen)
         if not all(isinstance(p, dict) and isinstance(p.get("text", ""), str) for p in content):
             raise APIError(400, f"messages[{i}].content parts must be objects", "messages", "invalid_type")
-        content = "".join(p.get("text", "") for p in content if p.get("type", "text") == "text")
+        other = sorted({str(p.get("type")) for p in content if p.get("type", "text") != "text"})
+        if other:
+            raise APIError(400, f"messages[{i}].content: this text model takes text parts only, not {', '.join(other)}",
+                           "messages", "invalid_value")
+        content = "".join(p.get("text", "") for p in content)
     if not isinstance(content, str):
         raise APIError(400, f"messages[{i}].content must be a string or a list of text parts", "messages",
                        "invalid_type")
