@@ -310,6 +310,18 @@ def test_an_unusable_out_or_no_method_fails_before_the_model_loads(capsys, tmp_p
         assert "is a directory; give a file name" in err and "unknown model" not in err
 
 
+@pytest.mark.parametrize("lines, match", [
+    ('{"text": "hi"}\nnot json\n', ":2: not a JSON line"), ('{"question_id": 1}\n', ':1: every line needs'),
+    ('{"text": "  "}\n', ":1: every line needs"), ("[1, 2]\n", ":1: every line needs"), ("\n", "holds no prompts"),
+])
+def test_a_bad_prompts_file_names_its_line_before_the_model_loads(capsys, tmp_path, lines, match):
+    (tmp_path / "p.jsonl").write_text(lines)
+    assert cli_main(["bench", "--model", "no-such-model", "--prompts-file", str(tmp_path / "p.jsonl"),
+                     "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert match in err and "Traceback" not in err and "unknown model" not in err
+
+
 def test_first_divergence():
     assert first_divergence([1, 2, 3], [1, 2, 3]) is None
     assert first_divergence([1, 2, 3], [1, 5, 3]) == 1

@@ -178,11 +178,9 @@ def _floats(text: str, flag: str) -> list[float]:
 
 
 def load_prompts(args) -> list[Prompt]:
-    from ..offline_data import DatasetUnavailable, read_jsonl
+    from ..offline_data import DatasetUnavailable
     if args.prompts_file:
-        rows = read_jsonl(Path(args.prompts_file))
-        if not all(isinstance(r.get("text"), str) for r in rows):
-            raise ValueError(f"{args.prompts_file}: every line needs a \"text\" string")
+        rows = prompts_file_rows(Path(args.prompts_file))
         allp = [Prompt(r.get("dataset", "custom"), str(r.get("question_id", i)), r.get("category", "custom"), r["text"])
                 for i, r in enumerate(rows)]
     else:
@@ -192,6 +190,26 @@ def load_prompts(args) -> list[Prompt]:
         except DatasetUnavailable as e:
             raise ValueError(str(e)) from e
     return select_per_dataset(allp, args.max_samples)
+
+
+def prompts_file_rows(path: Path) -> list[dict]:
+    """The JSON objects of a --prompts-file, one a line, each with a non-empty "text"; a bad line is
+    an error naming its number (before any model loads, not at that prompt's turn)."""
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except ValueError as e:
+                raise ValueError(f"{path}:{n}: not a JSON line ({e})") from None
+            if not isinstance(row, dict) or not isinstance(row.get("text"), str) or not row["text"].strip():
+                raise ValueError(f"{path}:{n}: every line needs a JSON object with a non-empty \"text\" string")
+            rows.append(row)
+    if not rows:
+        raise ValueError(f"{path} holds no prompts (one JSON object with a \"text\" a line)")
+    return rows
 
 
 def select_per_dataset(allp: list[Prompt], max_samples: int) -> list[Prompt]:
