@@ -174,6 +174,25 @@ def test_two_threads_on_one_target_never_mix_their_caches(tiny_target):
     assert all(o == want or "another generation" in o for o in outcomes) and want in outcomes
 
 
+def test_a_spec_config_is_a_base_that_options_override(tiny_target):
+    from conftest import random_drafter
+    tiny_domino = random_drafter(True, seed=2)
+    cfg = dt.SpecConfig(method="ddtree", budget=6, max_new_tokens=14, stop=["w50"])
+    base = dt.generate(tiny_target, tiny_domino, [5, 6, 7], config=cfg)
+    assert base.stats["method"] == "ddtree" and len(base.token_ids) <= 14
+    assert base.token_ids == dt.generate(tiny_target, tiny_domino, [5, 6, 7], method="ddtree", budget=6,
+                                         max_new_tokens=14, stop=["w50"]).token_ids
+    over = dt.generate(tiny_target, tiny_domino, [5, 6, 7], "dominotree", config=cfg, max_new_tokens=20)
+    assert over.stats["method"] == "dominotree" and over.token_ids[:len(base.token_ids)] == base.token_ids
+    streamed = [t for ev in dt.stream_generate(tiny_target, tiny_domino, [5, 6, 7], config=cfg) for t in ev.token_ids]
+    assert streamed == base.token_ids
+    assert cfg.method == "ddtree" and cfg.max_new_tokens == 14 and cfg.stop == ["w50"]    # left as it was
+    with pytest.raises(ValueError, match="budget"):        # an override is checked like any option
+        dt.generate(tiny_target, tiny_domino, [5, 6, 7], config=cfg, budget=0)
+    with pytest.raises(TypeError, match="config must be a dominotree.SpecConfig"):
+        dt.generate(tiny_target, tiny_domino, [5, 6, 7], config={"method": "ar"})
+
+
 def test_unknown_option_is_rejected(tiny_target):
     with pytest.raises(TypeError, match="unknown generation option"):
         dt.generate(tiny_target, None, [1, 2], method="ar", max_tokens=5)

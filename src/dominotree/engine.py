@@ -5,7 +5,7 @@ import os
 import threading
 import time
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 
@@ -255,18 +255,30 @@ def _stats(cfg, rounds, acc, depths, budgets, stage, prefill_ms, wall, n_out, fi
     return stats
 
 
-def generate(target, drafter=None, prompt="", method: str = "dominotree", **options) -> GenerationResult:
-    """Generate from `prompt` (a string, chat messages, or token ids) with a speculative `method`."""
-    cfg = SpecConfig.from_kwargs(method=method, **options)
-    stream = GenerationStream(target, drafter, prompt, cfg)
+def generate(target, drafter=None, prompt="", method: str | None = None, config: SpecConfig | None = None,
+             **options) -> GenerationResult:
+    """Generate from `prompt` (a string, chat messages, or token ids) with a speculative `method`
+    (default "dominotree"). `config`: a SpecConfig to start from; `method` and `options` override it."""
+    stream = GenerationStream(target, drafter, prompt, _config(method, config, options))
     for _ in stream:
         pass
     return stream.result
 
 
-def stream_generate(target, drafter=None, prompt="", method: str = "dominotree", **options) -> GenerationStream:
+def stream_generate(target, drafter=None, prompt="", method: str | None = None, config: SpecConfig | None = None,
+                    **options) -> GenerationStream:
     """Like generate, but iterate the returned stream for per-round RoundEvents."""
-    return GenerationStream(target, drafter, prompt, SpecConfig.from_kwargs(method=method, **options))
+    return GenerationStream(target, drafter, prompt, _config(method, config, options))
+
+
+def _config(method: str | None, config: SpecConfig | None, options: dict) -> SpecConfig:
+    if config is not None and not isinstance(config, SpecConfig):
+        raise TypeError(f"config must be a dominotree.SpecConfig, got {type(config).__name__}")
+    base = {} if config is None else {f.name: getattr(config, f.name) for f in fields(SpecConfig)}
+    base = {k: list(v) if isinstance(v, list) else v for k, v in base.items()}   # the caller's stays theirs
+    if method is not None:
+        options = {**options, "method": method}
+    return SpecConfig.from_kwargs(**{**base, **options})     # checked again: an override may not fit
 
 
 __all__ = ["GenerationResult", "GenerationStream", "RoundEvent", "generate", "stream_generate", "DraftTree"]
