@@ -110,6 +110,8 @@ def test_context_limit(tiny_target):
     (dict(prompt=[1, 2], stop=["a", 3]), "non-empty strings"),
     (dict(prompt=[1, 2], seed=2 ** 70), "seed"),               # torch's own error named no option
     (dict(prompt=[1, 2], seed=1.5), "seed"),
+    (dict(prompt=[1, 2], max_depth=0), "max_depth must be"),        # drafted nothing: tau 1, silently
+    (dict(prompt=[1, 2], max_depth=-1), "max_depth must be"),       # a std::vector error in the Domino chain
 ])
 def test_bad_input_gets_a_clear_error(tiny_target, kwargs, match):
     kwargs = {"method": "ar", **kwargs}

@@ -58,6 +58,9 @@ class SpecConfig:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
         if not isinstance(self.budget, int) or self.budget < 1:
             raise ValueError(f"budget must be an integer >= 1, got {self.budget!r}")
+        if self.max_depth is not None and (isinstance(self.max_depth, bool) or not isinstance(self.max_depth, int)
+                                           or self.max_depth < 1):
+            raise ValueError(f"max_depth must be an integer >= 1 or None (the drafter's depth), got {self.max_depth!r}")
         if not isinstance(self.max_budget, int) or self.max_budget < 1:
             raise ValueError(f"max_budget must be an integer >= 1, got {self.max_budget!r}")
         if self.node_topk < 1:
