@@ -195,6 +195,25 @@ def test_a_spec_config_is_a_base_that_options_override(tiny_target):
         dt.generate(tiny_target, tiny_domino, [5, 6, 7], config={"method": "ar"})
 
 
+@pytest.mark.parametrize("bad, match", [
+    ({"top_k": 2.5}, "top_k must be an integer"), ({"budget": True}, "budget must be an integer"),
+    ({"max_new_tokens": True}, "max_new_tokens must be an integer"), ({"node_topk": 2.5}, "node_topk"),
+    ({"corr_topm": 2.5}, "corr_topm must be an integer or None"), ({"temperature": "0.5"}, "temperature must be a number"),
+    ({"raw": "yes"}, "raw must be True or False"), ({"cost_model": 5}, "cost_model must be a path"),
+    ({"draft_vocab": True}, "draft_vocab must be an integer"),
+])
+def test_option_types_are_checked_before_their_ranges(bad, match):
+    with pytest.raises(ValueError, match=match):
+        dt.SpecConfig(method="dominotree", **bad)
+
+
+def test_numpy_scalars_are_accepted_as_their_python_values():
+    import numpy as np
+    cfg = dt.SpecConfig(method="dominotree", budget=np.int64(8), seed=np.int32(3), temperature=np.float32(0.5))
+    assert (cfg.budget, cfg.seed, cfg.temperature) == (8, 3, 0.5)
+    assert type(cfg.budget) is int and type(cfg.seed) is int and type(cfg.temperature) is float
+
+
 def test_unknown_option_is_rejected(tiny_target):
     with pytest.raises(TypeError, match="unknown generation option"):
         dt.generate(tiny_target, None, [1, 2], method="ar", max_tokens=5)

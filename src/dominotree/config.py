@@ -3,6 +3,7 @@ flag values (lists, output paths) that the CLI commands share."""
 from __future__ import annotations
 
 import math
+import numbers
 import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -13,6 +14,9 @@ METHODS = ("ar", "dflash", "domino", "ddtree", "caddtree", "dominotree", "condad
 TREE_METHODS = ("ddtree", "caddtree", "dominotree", "condadaptive")
 ADAPTIVE_METHODS = ("caddtree", "condadaptive")   # choose their budget with a cost model, up to max_budget
 DRAFT_METHODS = METHODS[1:]
+INT_FIELDS = ("max_new_tokens", "top_k", "budget", "max_budget", "node_topk", "lookup", "lookup_ngram",
+              "lookup_store_min_n", "draft_vocab")
+OPTIONAL_INT_FIELDS = ("max_depth", "corr_topm", "seed")
 
 
 @dataclass
@@ -46,6 +50,7 @@ class SpecConfig:
         self.validate()
 
     def validate(self) -> None:
+        self._check_types()
         if self.method not in METHODS:
             raise ValueError(f"unknown method {self.method!r}; choose one of {', '.join(METHODS)}")
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens <= 0:
@@ -97,6 +102,31 @@ class SpecConfig:
             raise ValueError(f"stop must be a string or a list of non-empty strings, got {self.stop!r}")
         if self.seed is not None and (not isinstance(self.seed, int) or not -2 ** 63 <= self.seed < 2 ** 63):
             raise ValueError(f"seed must be an integer in [-2**63, 2**63) or None, got {self.seed!r}")
+
+    def _check_types(self) -> None:
+        """Types first (numpy integers become ints): a bool budget or a 2.5 top_k used to pass the
+        range checks below and reach the builders."""
+        for name in INT_FIELDS + OPTIONAL_INT_FIELDS:
+            v = getattr(self, name)
+            if v is None and name in OPTIONAL_INT_FIELDS:
+                continue
+            if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+                raise ValueError(f"{name} must be an integer{' or None' if name in OPTIONAL_INT_FIELDS else ''}, "
+                                 f"got {v!r}")
+            setattr(self, name, int(v))
+        for name in ("temperature", "top_p"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, numbers.Real):
+                raise ValueError(f"{name} must be a number, got {v!r}")
+            setattr(self, name, float(v))
+        if not isinstance(self.raw, bool):
+            raise ValueError(f"raw must be True or False, got {self.raw!r}")
+        for name in ("cost_model", "lookup_store"):
+            v = getattr(self, name)
+            if v is not None and not isinstance(v, (str, os.PathLike)):
+                raise ValueError(f"{name} must be a path (or None), got {v!r}")
+        if not isinstance(self.draft_vocab_source, (str, os.PathLike)):
+            raise ValueError(f"draft_vocab_source must be 'train-data' or a path, got {self.draft_vocab_source!r}")
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "SpecConfig":
