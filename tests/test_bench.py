@@ -109,6 +109,21 @@ def test_a_lossy_method_fails_the_equality_check(bench_env, tiny_llama_dir, tmp_
     assert any(e["match"] == "diverged" and e["step_gap"] > 0 for e in again)
 
 
+def test_a_run_stopped_mid_write_still_reports_its_finished_records(bench_env, tiny_llama_dir, tmp_path, capsys):
+    out = tmp_path / "cut"
+    assert bench(bench_env, tiny_llama_dir, out, "ar,dflash", "--warmup", "0") == 0
+    text = (out / "results.jsonl").read_text()
+    whole = text.splitlines()
+    (out / "results.jsonl").write_text(text[:len(text) - len(whole[-1]) // 2 - 1])     # the last record half written
+    capsys.readouterr()
+    assert cli_main(["bench", "--report-only", str(out)]) == 0
+    assert "partial record" in capsys.readouterr().err
+    assert "| all | dflash |" in (out / "summary.md").read_text()
+    (out / "results.jsonl").write_text("{not json\n" + text)       # a bad line elsewhere is an error, named
+    assert cli_main(["bench", "--report-only", str(out)]) == 2
+    assert "results.jsonl:1: not a JSON record" in capsys.readouterr().err
+
+
 def test_step_gap_is_plain_decodings_gap_at_the_divergence(tiny_target):
     import dominotree as dt
     prompt = [1, 5, 6, 7, 8]

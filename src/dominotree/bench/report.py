@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import json
 import re
+import sys
 from pathlib import Path
 
 from ..machine import describe
@@ -22,10 +23,29 @@ def read_run(out: Path) -> tuple[list[dict], dict]:
     out = Path(out)
     if not (out / RESULTS).is_file():
         raise FileNotFoundError(f"no {RESULTS} in {out}")
-    with open(out / RESULTS, encoding="utf-8") as f:
-        records = [json.loads(line) for line in f if line.strip()]
+    records = read_records(out / RESULTS)
     info = json.loads((out / RUN_INFO).read_text()) if (out / RUN_INFO).is_file() else {}
     return records, info
+
+
+def read_records(path: Path) -> list[dict]:
+    """One record a line. A run stopped mid-write leaves a partial last line (no newline): it is
+    left out, with a note, so the finished records still report; any other bad line is an error."""
+    text = path.read_text(encoding="utf-8")
+    lines = text.split("\n")
+    records = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except ValueError as e:
+            if n == len(lines):          # the last line, unterminated: a write cut short
+                print(f"{path}: its last line is a partial record (the run stopped mid-write); left out",
+                      file=sys.stderr)
+                break
+            raise ValueError(f"{path}:{n}: not a JSON record ({e})") from None
+    return records
 
 
 def problems(records: list[dict]) -> list[dict]:
