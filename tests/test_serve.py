@@ -372,3 +372,22 @@ def test_the_serve_command_answers_and_a_busy_port_is_one_clear_error(tiny_llama
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+def test_an_adaptive_server_loads_its_cost_model_at_start(tiny_target, tmp_path, monkeypatch):
+    from dominotree.serve import Server
+    from dominotree.trees.caddtree import profile
+    import dominotree as dt
+    monkeypatch.setattr("dominotree.trees.builders.DEFAULT_COST_MODEL", "no-such-cost-model.json")   # none cached
+    drafter = random_drafter(True)
+    for method in ("caddtree", "condadaptive"):    # was a 400 on every request, the server's own fault
+        with pytest.raises(ValueError, match=f"method '{method}' needs a cost model"):
+            Server(tiny_target, drafter, method, MODEL)
+    path = tmp_path / "cm.json"
+    profile(tiny_target, drafter, max_nodes=8, contexts=(16,), repeats=1, progress=False).save(str(path))
+    srv = Server(tiny_target, drafter, "condadaptive", MODEL, cost_model=str(path))
+    body = {"messages": [{"role": "user", "content": "hi"}], "temperature": 0, "max_tokens": 12}
+    cfg, prompt, _, _ = srv.parse(body, chat=True)
+    assert cfg.cost_model == str(path) and srv.parse({**body, "method": "ar"}, chat=True)[0].cost_model is None
+    want = dt.generate(tiny_target, None, prompt, method="ar", max_new_tokens=12).token_ids
+    assert dt.generate(tiny_target, drafter, prompt, config=cfg).token_ids == want

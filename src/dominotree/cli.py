@@ -193,6 +193,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--method", default="dominotree", choices=METHODS)
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--cost-model", default=None,
+                   help="JSON from `dominotree profile`, for --method caddtree|condadaptive (default: the cached one)")
     s.add_argument("--lookup", type=int, default=0, help="prompt-lookup branch of up to N tokens per tree (0: off)")
     s.add_argument("--lookup-store", default=None, help="with --lookup: a datastore branch too (see generate)")
     s.add_argument("--draft-vocab", type=int, default=0,

@@ -24,6 +24,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import dominotree as dt
+from dominotree.config import ADAPTIVE_METHODS
 from dominotree.draft_vocab import draft_vocab_for
 from dominotree.trees.datastore import store_for
 
@@ -160,13 +161,18 @@ class _Run:
 
 class Server:
     def __init__(self, target, drafter, method: str, model_name: str, lookup: int = 0,
-                 lookup_store: str | None = None, draft_vocab: int = 0, draft_vocab_source: str = "train-data"):
+                 lookup_store: str | None = None, draft_vocab: int = 0, draft_vocab_source: str = "train-data",
+                 cost_model: str | None = None):
         if method not in dt.METHODS:
             raise ValueError(f"unknown method {method!r}")
         if method != "ar" and drafter is None:
             raise ValueError(f"method {method!r} needs a drafter")
-        dt.SpecConfig(method=method, lookup=lookup, lookup_store=lookup_store,   # bad server-wide options
-                      draft_vocab=draft_vocab, draft_vocab_source=draft_vocab_source)   # fail at start-up
+        cfg = dt.SpecConfig(method=method, lookup=lookup, lookup_store=lookup_store,   # bad server-wide options
+                            draft_vocab=draft_vocab, draft_vocab_source=draft_vocab_source,   # fail at start-up
+                            cost_model=cost_model)
+        if method in ADAPTIVE_METHODS:   # not a 400 on every request: a missing cost model is the server's
+            from .trees.builders import load_cost_model
+            load_cost_model(cfg, target)
         if lookup_store is not None:
             store_for(lookup_store, target.name)
         if draft_vocab:
@@ -180,6 +186,7 @@ class Server:
         self.target, self.drafter, self.method, self.model_name = target, drafter, method, model_name
         self.lookup, self.lookup_store = lookup, lookup_store
         self.draft_vocab, self.draft_vocab_source = draft_vocab, draft_vocab_source
+        self.cost_model = cost_model
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="dominotree-model")
         self.lock = asyncio.Lock()
         self.created = int(time.time())
@@ -222,7 +229,8 @@ class Server:
                                 lookup=0 if method == "ar" else self.lookup,
                                 lookup_store=None if method == "ar" else self.lookup_store,
                                 draft_vocab=0 if method == "ar" else self.draft_vocab,
-                                draft_vocab_source=self.draft_vocab_source)
+                                draft_vocab_source=self.draft_vocab_source,
+                                cost_model=None if method == "ar" else self.cost_model)
         except ValueError as e:
             param = str(e).split()[0].replace("max_new_tokens", "max_tokens")
             raise APIError(400, str(e).replace("max_new_tokens", "max_tokens"), param, "invalid_value") from None
@@ -356,12 +364,13 @@ class Server:
 
 def create_app(target, drafter, method: str = "dominotree", model_name: str | None = None,
                lookup: int = 0, lookup_store: str | None = None, draft_vocab: int = 0,
-               draft_vocab_source: str = "train-data") -> FastAPI:
+               draft_vocab_source: str = "train-data", cost_model: str | None = None) -> FastAPI:
     """The ASGI app serving `target` (+ `drafter`) with `method` (and a prompt-lookup branch of
     `lookup` tokens, 0: none, plus a datastore branch from `lookup_store`; a drafter LM head over the
-    `draft_vocab` tokens the target writes most in `draft_vocab_source`, 0: all) under the name `model_name`."""
+    `draft_vocab` tokens the target writes most in `draft_vocab_source`, 0: all) under the name `model_name`;
+    `cost_model`: the CaDDTree/CondAdaptive cost model (None: the cached one), loaded at start-up."""
     srv = Server(target, drafter, method, model_name or str(target.name), lookup, lookup_store, draft_vocab,
-                 draft_vocab_source)
+                 draft_vocab_source, cost_model)
     app = FastAPI(title="dominotree", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = srv
 
@@ -424,7 +433,8 @@ def main(args) -> int:
     drafter = None if args.method == "ar" else dt.load_drafter(args.drafter, target=target, pack=pack)
     name = os.path.basename(os.path.normpath(args.model)) if os.path.isdir(args.model) else args.model
     app = create_app(target, drafter, args.method, name, lookup=args.lookup, lookup_store=args.lookup_store,
-                     draft_vocab=args.draft_vocab, draft_vocab_source=args.draft_vocab_source)
+                     draft_vocab=args.draft_vocab, draft_vocab_source=args.draft_vocab_source,
+                     cost_model=args.cost_model)
     print(f"dominotree: serving {name} with {args.method} on http://{args.host}:{args.port}/", file=sys.stderr)
     uvicorn.Server(uvicorn.Config(app, log_level="info")).run(sockets=[sock])
     return 0
