@@ -158,6 +158,27 @@ def test_a_second_generation_on_a_busy_target_is_refused_and_the_first_goes_on(t
     assert dt.generate(tiny_target, None, [1, 7, 8], method="ar", max_new_tokens=20).token_ids == want
 
 
+def test_a_stream_generates_once_however_often_it_is_iterated(tiny_target):
+    want = dt.generate(tiny_target, None, [1, 7, 8], method="ar", max_new_tokens=12, temperature=1.0, seed=4)
+    stream = dt.stream_generate(tiny_target, None, [1, 7, 8], method="ar", max_new_tokens=12, temperature=1.0, seed=4)
+    rounds = iter(stream)
+    first = next(rounds).token_ids
+    rest = [t for ev in stream for t in ev.token_ids]       # a second loop goes on where the first stopped
+    assert first + rest == want.token_ids == stream.result.token_ids
+    result = stream.result
+    assert list(stream) == [] and stream.result is result     # not a second generation replacing the result
+    # a loop left early (or close()) ends the generation: looping again is refused, not a fresh start
+    for left in ("break", "close"):
+        early = dt.stream_generate(tiny_target, None, [1, 7, 8], method="ar", max_new_tokens=12)
+        for _ in early:
+            break
+        if left == "close":
+            early.close()
+        with pytest.raises(RuntimeError, match="generation was stopped"):
+            list(early)
+        assert early.result is None
+
+
 def test_two_threads_on_one_target_never_mix_their_caches(tiny_target):
     import threading
     want = dt.generate(tiny_target, None, [1, 7, 8], method="ar", max_new_tokens=30).token_ids

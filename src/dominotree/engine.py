@@ -64,6 +64,15 @@ class GenerationStream:
         self._rounds = None
 
     def __iter__(self):
+        # one generation per stream: a second loop goes on with the first's live rounds, gets none
+        # once they ended, and is refused once they were left early (the generation is gone), never
+        # a second generation that replaces .result
+        if self._rounds is not None:
+            rounds = self._rounds()
+            if rounds is not None or self.result is not None:
+                return rounds if rounds is not None else iter(())
+            raise RuntimeError("this stream's generation was stopped (its loop left or close() called); "
+                               "start another with stream_generate(...)")
         rounds = self._iterate()
         self._rounds = weakref.ref(rounds)     # a loop left by `break` still frees (and closes) it
         return rounds
