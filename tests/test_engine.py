@@ -168,10 +168,13 @@ def test_a_stream_generates_once_however_often_it_is_iterated(tiny_target):
     result = stream.result
     assert list(stream) == [] and stream.result is result     # not a second generation replacing the result
     # a loop left early (or close()) ends the generation: looping again is refused, not a fresh start
-    for left in ("break", "close"):
+    for left in ("break", "close", "close first"):
         early = dt.stream_generate(tiny_target, None, [1, 7, 8], method="ar", max_new_tokens=12)
-        for _ in early:
-            break
+        if left == "close first":           # closed before it started: it never starts
+            early.close()
+        else:
+            for _ in early:
+                break
         if left == "close":
             early.close()
         with pytest.raises(RuntimeError, match="generation was stopped"):

@@ -79,7 +79,9 @@ class GenerationStream:
 
     def close(self) -> None:
         """Stop a generation before it ends, so that the target can start another one."""
-        rounds = self._rounds() if self._rounds is not None else None
+        if self._rounds is None:            # closed before it started: it never will
+            self._rounds = lambda: None
+        rounds = self._rounds()
         if rounds is not None:
             rounds.close()
 
