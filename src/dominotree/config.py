@@ -53,7 +53,7 @@ class SpecConfig:
         self._check_types()
         if self.method not in METHODS:
             raise ValueError(f"unknown method {self.method!r}; choose one of {', '.join(METHODS)}")
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens <= 0:
+        if self.max_new_tokens <= 0:
             raise ValueError(f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
         if not math.isfinite(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
@@ -61,12 +61,11 @@ class SpecConfig:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
-        if not isinstance(self.budget, int) or self.budget < 1:
+        if self.budget < 1:
             raise ValueError(f"budget must be an integer >= 1, got {self.budget!r}")
-        if self.max_depth is not None and (isinstance(self.max_depth, bool) or not isinstance(self.max_depth, int)
-                                           or self.max_depth < 1):
+        if self.max_depth is not None and self.max_depth < 1:
             raise ValueError(f"max_depth must be an integer >= 1 or None (the drafter's depth), got {self.max_depth!r}")
-        if not isinstance(self.max_budget, int) or self.max_budget < 1:
+        if self.max_budget < 1:
             raise ValueError(f"max_budget must be an integer >= 1, got {self.max_budget!r}")
         if self.node_topk < 1:
             raise ValueError(f"node_topk must be >= 1, got {self.node_topk}")
@@ -78,17 +77,17 @@ class SpecConfig:
             raise ValueError(f"conditioning must be 'path' or 'greedy', got {self.conditioning!r}")
         if self.builder not in ("native", "fast", "reference"):
             raise ValueError(f"builder must be 'native', 'fast' or 'reference', got {self.builder!r}")
-        if not isinstance(self.lookup, int) or self.lookup < 0:
+        if self.lookup < 0:
             raise ValueError(f"lookup must be an integer >= 0, got {self.lookup!r}")
         if self.lookup and self.method == "ar":
             raise ValueError("lookup adds a branch to a draft tree; method 'ar' has none (use a draft method)")
-        if not isinstance(self.lookup_ngram, int) or self.lookup_ngram < 1:
+        if self.lookup_ngram < 1:
             raise ValueError(f"lookup_ngram must be an integer >= 1, got {self.lookup_ngram!r}")
         if self.lookup_store is not None and not self.lookup:
             raise ValueError("lookup_store adds a second lookup branch; it needs lookup=N > 0 (the branch length)")
-        if not isinstance(self.lookup_store_min_n, int) or not 1 <= self.lookup_store_min_n <= SORT_DEPTH:
+        if not 1 <= self.lookup_store_min_n <= SORT_DEPTH:
             raise ValueError(f"lookup_store_min_n must be an integer in 1..{SORT_DEPTH}, got {self.lookup_store_min_n!r}")
-        if not isinstance(self.draft_vocab, int) or self.draft_vocab < 0:
+        if self.draft_vocab < 0:
             raise ValueError(f"draft_vocab must be an integer >= 0 (0: the whole vocabulary), got {self.draft_vocab!r}")
         if self.draft_vocab and self.method == "ar":
             raise ValueError("draft_vocab restricts a drafter's LM head; method 'ar' drafts nothing")
@@ -100,7 +99,7 @@ class SpecConfig:
             self.stop = [self.stop]
         if not isinstance(self.stop, (list, tuple)) or not all(isinstance(x, str) and x for x in self.stop):
             raise ValueError(f"stop must be a string or a list of non-empty strings, got {self.stop!r}")
-        if self.seed is not None and (not isinstance(self.seed, int) or not -2 ** 63 <= self.seed < 2 ** 63):
+        if self.seed is not None and not -2 ** 63 <= self.seed < 2 ** 63:
             raise ValueError(f"seed must be an integer in [-2**63, 2**63) or None, got {self.seed!r}")
 
     def _check_types(self) -> None:
@@ -139,6 +138,12 @@ class SpecConfig:
 
 # Flag values the CLI commands share, checked before a model loads: a long run must not end in a
 # traceback because its output path was unusable.
+
+def check_int(name: str, value, low: int) -> None:
+    """A ValueError unless `value` is an integer (not a bool) >= low."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
+        raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+
 
 def int_list(text: str, flag: str) -> list[int]:
     """A comma-separated flag value as integers, or a ValueError that names the flag."""

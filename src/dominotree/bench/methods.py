@@ -19,7 +19,6 @@ from ..config import ADAPTIVE_METHODS, METHODS, SpecConfig
 HF_PEERS = ("hf-ar", "hf-prompt-lookup")
 ALL_METHODS = METHODS + HF_PEERS
 DOMINO_METHODS = ("domino", "dominotree", "condadaptive")      # default to the Domino drafter
-ADAPTIVE = ADAPTIVE_METHODS                                      # need a cost model
 RUN_WIDE = {"method", "temperature", "max_new_tokens", "seed", "stop", "raw"}   # set by the runner
 SWITCHES = ("pack", "gqa", "lean", "lean_target", "tree_attention")  # on/off fast paths
 AR_SWITCHES = ("pack", "gqa", "lean_target")       # the only options `ar` takes (it drafts nothing)
@@ -51,7 +50,7 @@ class MethodSpec:
 
     @property
     def needs_cost_model(self) -> bool:
-        return self.method in ADAPTIVE and "cost_model" not in self.options
+        return self.method in ADAPTIVE_METHODS and "cost_model" not in self.options
 
     def config(self, budget: int) -> dict:
         """The generation options of this spec (run-wide knobs excluded)."""

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from ..config import check_int
 from ..verify import draw_rows, process_logits
 from .prompts import training_prompts
 
@@ -115,8 +116,7 @@ def check_data_request(num_prompts: int, shard_size: int = 256, batch_size: int 
     for name, value, low in (("num_prompts", num_prompts, 1), ("shard_size", shard_size, 1),
                              ("batch_size", batch_size, 1), ("max_new_tokens", max_new_tokens, 1),
                              ("sampled_every", sampled_every, 0)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+        check_int(name, value, low)
     if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature > 0):
         raise ValueError(f"temperature (of the sampled responses) must be a finite number > 0, got {temperature!r}")
 

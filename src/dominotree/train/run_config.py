@@ -7,8 +7,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import numpy as np
-
+from ..config import check_int
 from ..drafters import DrafterConfig
 
 
@@ -80,10 +79,10 @@ class TrainConfig:
                           ("log_every", 1), ("num_layers", 1), ("block_size", 2), ("mask_token_id", 0),
                           ("emb_dim", 1), ("gru_hidden_dim", 1), ("pure_draft_prefix_len", 0), ("negatives", 0),
                           ("vocab_min_count", 1), ("vocab_top", 0)):
-            _check_int(name, getattr(self, name), low)
+            check_int(name, getattr(self, name), low)
         for name in ("intermediate_size", "num_heads", "num_kv_heads"):
             if getattr(self, name) is not None:
-                _check_int(name, getattr(self, name), 1)
+                check_int(name, getattr(self, name), 1)
         if self.pure_draft_prefix_len >= self.block_size:
             raise ValueError(f"pure_draft_prefix_len must be below block_size ({self.block_size}), "
                              f"got {self.pure_draft_prefix_len}")
@@ -126,11 +125,6 @@ def check_same_run(out: Path, tc: TrainConfig) -> None:
         raise ValueError(f"{out} holds a run started with {', '.join(f'{k}={held[k]!r}' for k in differ)}, not "
                          f"{', '.join(f'{k}={now[k]!r}' for k in differ)}; only --steps and --time-limit change "
                          f"when a run continues: give a new run another --out")
-
-
-def _check_int(name: str, value, low: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
-        raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
 
 
 def drafter_config(tc: TrainConfig, target, layer_ids) -> DrafterConfig:

@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..config import check_int
 from .ddtree import build_ddtree
 from .dominotree import path_probability_stop
 from .tree import DraftTree
@@ -95,8 +96,7 @@ def profile(target, drafter, max_nodes: int = 64, contexts=(128, 512, 1024), rep
     from tqdm import tqdm
     contexts = list(contexts)
     for name, value in (("max_nodes", max_nodes), ("repeats", repeats)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        check_int(name, value, 1)
     if not contexts or len(set(contexts)) != len(contexts) or min(contexts) < 1:
         raise ValueError(f"contexts must be distinct lengths >= 1, got {contexts}")
     if max(contexts) + max_nodes + 1 > target.max_context:
