@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 import dominotree as dt
 from dominotree.drafters import DraftOutput
@@ -92,3 +93,16 @@ def run_mirror(target, drafter: MirrorDrafter, prompt, **kw):
     for event in stream:
         drafter.history.extend(event.token_ids)
     return stream.result
+
+
+def byte_level_tokenizer(vocab_size=400) -> Tokenizer:
+    """A byte-level BPE (as GPT-2, Llama 3, Qwen, SmolLM2 use) trained on a few sentences: emoji and
+    CJK characters stay split across several tokens."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  special_tokens=["<unk>", "<s>", "</s>"], show_progress=False)
+    tok.train_from_iterator(["Hello world, the answer is here.", "def f(x): return x",
+                             "Grüße aus Köln! 你好，世界。こんにちは 🙂🚀 naïve café"], trainer)
+    return tok

@@ -27,6 +27,38 @@ def test_generate_json_matches_the_api(tiny_llama_dir, tiny_target, capsys):
     assert obj["token_ids"] == ref.token_ids and obj["text"] == ref.text
 
 
+@pytest.fixture(scope="module")
+def byte_level_model_dir(tmp_path_factory):
+    """A tiny random model whose tokenizer is byte-level, so its answers end rounds inside a character."""
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from conftest import _sharpen, tiny_config_kwargs
+    from helpers import byte_level_tokenizer
+    tok = byte_level_tokenizer()
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**{**tiny_config_kwargs(), "vocab_size": tok.get_vocab_size()}))
+    _sharpen(model)
+    path = tmp_path_factory.mktemp("byte_level")
+    model.save_pretrained(path)
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>").save_pretrained(path)
+    return path
+
+
+def test_streamed_text_is_the_answer_even_where_rounds_split_characters(byte_level_model_dir, capsys):
+    """The streamed text once stopped at the first round that ended inside a character (a Chinese
+    answer printed one replacement character and nothing more)."""
+    base = ["generate", "--model", str(byte_level_model_dir), "--dtype", "fp32", "--method", "ar", "--raw",
+            "--max-new-tokens", "60"]
+    for prompt in ["你好", "Grüße", "🙂"]:
+        code, out, _ = run_cli(capsys, *base, "--json", prompt)
+        answer = json.loads(out)["text"]
+        assert code == 0 and "\ufffd" in answer     # bytes that end mid-character now and then
+        code, streamed, err = run_cli(capsys, *base, prompt)
+        assert code == 0 and streamed == answer, err
+        stop = answer[len(answer) // 2:][:2]
+        code, streamed, _ = run_cli(capsys, *base, "--stop", stop, prompt)
+        assert code == 0 and streamed == answer[:answer.find(stop)]
+
+
 def test_no_pack_and_no_gqa_flags_load_the_plain_paths(tiny_llama_dir, capsys, monkeypatch):
     import dominotree as dt
     seen = []

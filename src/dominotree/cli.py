@@ -43,19 +43,14 @@ def cmd_generate(args) -> int:
         r = dt.generate(target, drafter, prompt, method=args.method, **opts)
         print(json.dumps({"text": r.text, "token_ids": r.token_ids, "stats": r.stats}))
         return 0
+    from .detokenize import IncrementalText
     stream = dt.stream_generate(target, drafter, prompt, method=args.method, **opts)
-    shown, ids = "", []
+    text = IncrementalText(target.decode, stream.cfg.stop)
     for event in stream:    # print text as rounds commit
-        ids += event.token_ids
-        text = target.decode(ids)
-        if text.startswith(shown):
-            sys.stdout.write(text[len(shown):])
-            sys.stdout.flush()
-            shown = text
-    r = stream.result
-    if r.text.startswith(shown):
-        sys.stdout.write(r.text[len(shown):])
-    s = r.stats
+        sys.stdout.write(text.push(event.token_ids))
+        sys.stdout.flush()
+    sys.stdout.write(text.finish(stream.result.text))
+    s = stream.result.stats
     print(f"\n\n[{s['method']}] {s['new_tokens']} tokens, {s['tokens_per_second']:.1f} tok/s, tau {s['tau']:.2f}, "
           f"{s['rounds']} rounds, finish: {s['finish_reason']}, stage ms/round: "
           + ", ".join(f"{k} {v:.1f}" for k, v in s["stage_ms"].items()), file=sys.stderr)

@@ -25,6 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import dominotree as dt
 from dominotree.config import ADAPTIVE_METHODS
+from dominotree.detokenize import IncrementalText
 from dominotree.draft_vocab import draft_vocab_for
 from dominotree.trees.datastore import store_for
 
@@ -109,24 +110,14 @@ def _event(obj) -> str:
 
 
 class _Run:
-    """One generation's state on the worker thread: incremental text that never shows a stop
-    string (nor a partial one), and live speculation counters."""
+    """One generation's state on the worker thread: its text as it settles (never a stop string,
+    nor half a character) and live speculation counters."""
 
     def __init__(self, target, stream: dt.GenerationStream):
-        self.target, self.stream, self.it = target, stream, iter(stream)
-        self.stop = stream.cfg.stop
-        self.hold = max((len(s) for s in self.stop), default=1) - 1
-        self.ids: list[int] = []
-        self.shown = ""
-        self.events = self.accepted = 0
+        self.stream, self.it = stream, iter(stream)
+        self.text = IncrementalText(target.decode, stream.cfg.stop)
+        self.tokens = self.events = self.accepted = 0
         self.t0 = time.perf_counter()
-
-    def _visible(self, text: str) -> str:
-        cuts = [text.find(s) for s in self.stop if s in text]
-        if cuts:
-            return text[:min(cuts)]
-        text = text.rstrip("\ufffd")            # an incomplete UTF-8 sequence: wait for the rest
-        return text[:len(text) - self.hold]
 
     def step(self) -> dict | None:
         """Advance one round (worker thread); None once the stream is exhausted."""
@@ -135,28 +126,20 @@ class _Run:
             return None
         self.events += 1
         self.accepted += ev.accepted
-        before = len(self.shown)
+        self.tokens += len(ev.token_ids)
         k = min(ev.accepted, len(ev.token_ids))   # the first k tokens were drafted and accepted
-        drafted_len = len(self.target.decode(self.ids + ev.token_ids[:k])) if k else 0
-        self.ids += ev.token_ids
-        visible, delta = self._visible(self.target.decode(self.ids)), ""
-        if visible.startswith(self.shown):
-            delta, self.shown = visible[before:], visible
+        drafted = self.text.push(ev.token_ids[:k])
+        delta = drafted + self.text.push(ev.token_ids[k:])
         rounds = self.events - 1                # the first event is the prefill's token
         return {"delta": delta, "spec": {
-            "accepted": ev.accepted, "round_tokens": len(ev.token_ids),
-            "draft_chars": max(0, min(len(delta), drafted_len - before)),
-            "tokens": len(self.ids), "rounds": rounds,
+            "accepted": ev.accepted, "round_tokens": len(ev.token_ids), "draft_chars": len(drafted),
+            "tokens": self.tokens, "rounds": rounds,
             "tau": (self.accepted + rounds) / rounds if rounds else 1.0,
-            "tokens_per_second": len(self.ids) / max(time.perf_counter() - self.t0, 1e-9)}}
+            "tokens_per_second": self.tokens / max(time.perf_counter() - self.t0, 1e-9)}}
 
     def finish(self) -> str:
-        """The rest of the final (stop-cut) text once the stream is exhausted."""
-        text = self.stream.result.text
-        if not text.startswith(self.shown):
-            return ""
-        delta, self.shown = text[len(self.shown):], text
-        return delta
+        """The rest of the text once the stream is exhausted."""
+        return self.text.finish(self.stream.result.text)
 
 
 class Server:
