@@ -112,15 +112,21 @@ def test_drafter_that_does_not_fit_is_rejected(tiny_target):
         run(tiny_target, build_drafter(cfg), [1, 5], "domino")
 
 
+@pytest.mark.parametrize("words_in_stop", [1, 2])
 @pytest.mark.parametrize("method", ["ar", "dominotree"])
-def test_streamed_tokens_stop_where_the_result_does(tiny_target, method):
+def test_streamed_tokens_stop_where_the_result_does(tiny_target, method, words_in_stop):
     """A round that finds a stop string is cut before its event goes out: the events never carry a
-    token past the stop (they used to carry the whole round), and add up to the result."""
+    token past the stop (they used to carry the whole round), and add up to the result. A stop
+    string of two tokens may span rounds: its first token waits (it used to go out, and the result
+    then dropped it)."""
     prompt = [1, 40, 41]
     ref, plain = reference_sequence(tiny_target, prompt, 40)
     drafter = ScriptedDrafter(zero_head(random_drafter(True)), ref, wrong_rate=0.0) if method != "ar" else None
     words = plain.text.split()
-    stop = next(w for w in words[4:] if w not in words[:4])
+    # from the space before a word: the stop string begins at a token's start, so a cut there drops
+    # that whole token (with the word-level tokenizer's joining spaces)
+    grams = [" " + " ".join(words[i:i + words_in_stop]) for i in range(len(words))]
+    stop = next(g for i, g in enumerate(grams[4:], 4) if g not in " ".join(words[:i + words_in_stop - 1]))
     stream = dt.stream_generate(tiny_target, drafter, prompt, method=method, max_new_tokens=40, stop=[stop])
     streamed = [t for event in stream for t in event.token_ids]
     assert stream.result.stats["finish_reason"] == "stop" and stop not in stream.result.text
@@ -128,6 +134,27 @@ def test_streamed_tokens_stop_where_the_result_does(tiny_target, method):
     assert plain.text.startswith(stream.result.text)
     if method != "ar":
         assert stream.result.stats["tau"] > 2      # rounds of several tokens: the cut fell inside one
+
+
+def test_a_stop_string_early_in_a_long_round_is_found(tiny_target):
+    """Stop strings were looked for in a round's last 64 tokens: a round that accepted 100 tokens
+    (a 100-token block here; a long lookup branch does it too) kept a stop string near its start
+    and ran on to the length limit."""
+    for k in range(5, 60):
+        prompt = [1, k, k + 1]
+        ref, plain = reference_sequence(tiny_target, prompt, 150)
+        words = plain.text.split()
+        once = [w for w in set(words[1:30]) if w not in words[30:101]]   # early in the round, only there
+        if len(plain.token_ids) == 150 and once:
+            break
+    else:
+        pytest.skip("no prompt gives a long answer with an early word that does not come back")
+    stop = min(once, key=words.index)
+    drafter = ScriptedDrafter(random_drafter(False, block_size=100), ref)
+    r = run(tiny_target, drafter, prompt, "dflash", n=150, stop=[stop])
+    assert r.stats["accepted_per_round"][0] == 99          # the stop string is in a 100-token round
+    assert r.stats["finish_reason"] == "stop" and stop not in r.text
+    assert plain.text.startswith(r.text) and r.token_ids == plain.token_ids[:len(r.token_ids)]
 
 
 @pytest.mark.parametrize("method, options", [("ddtree", dict(budget=256)), ("dominotree", dict(budget=10**6)),

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field, fields
 import torch
 
 from .config import ADAPTIVE_METHODS, DRAFT_METHODS, TREE_METHODS, SpecConfig
+from .detokenize import MAX_CHAR_TOKENS, REPLACEMENT, stop_prefix_len
 from . import tree_attention
 from .proposers import make_proposer
 from .trees.datastore import SORT_DEPTH, store_for
@@ -27,7 +28,10 @@ class GenerationResult:
 
 @dataclass
 class RoundEvent:
-    token_ids: list[int]   # tokens emitted this round (after stop handling)
+    # tokens emitted this round; the events add up to result.token_ids: with stop strings, a round's
+    # last tokens may come in a later event, once they cannot begin one (dt.IncrementalText turns
+    # the ids into printable text)
+    token_ids: list[int]
     accepted: int          # draft tokens accepted this round (bonus excluded)
 
 
@@ -118,7 +122,8 @@ class GenerationStream:
         finish = self._append(out, [root], eos)
         if self.lookup is not None:
             self.lookup.extend(self.prompt_ids + [root])
-        yield RoundEvent(out[:], 0)
+        released = self._releasable(out, 0, finish)
+        yield RoundEvent(out[:released], 0)
 
         while finish is None:
             room = target.max_context - target.length - 1   # deepest node the context still holds
@@ -166,12 +171,13 @@ class GenerationStream:
             if "budget" in info:
                 budgets.append(info["budget"])
             new = tree.tokens[path[1:]].tolist() + [bonus]
-            before = len(out)
             finish = self._append(out, new, eos)
             if self.lookup is not None:
                 self.lookup.extend(new)
             root = bonus
-            yield RoundEvent(out[before:], len(path) - 1)
+            n = self._releasable(out, released, finish)
+            yield RoundEvent(out[released:n], len(path) - 1)
+            released = n
 
         if finish == "stop_string":       # _append cut the tokens and kept the cut text
             text, finish = self._stop_text, "stop"
@@ -188,7 +194,7 @@ class GenerationStream:
             self.result.stats["store_accepted"] = store_accepted
 
     def _append(self, out: list[int], new: list[int], eos: set[int]) -> str | None:
-        finish = None
+        finish, before = None, len(out)
         for t in new:
             out.append(t)
             if t in eos:
@@ -198,12 +204,37 @@ class GenerationStream:
                 finish = "length"
                 break
         # also in the round that reaches EOS or the length: a stop string there is still cut
-        if self.cfg.stop and any(s in self.target.decode(out[-64:]) for s in self.cfg.stop):
+        if self.cfg.stop and any(s in self.target.decode(out[self._stop_window(out, before):])
+                                 for s in self.cfg.stop):
             # cut here, so that this round's event carries no token past the stop string either
             kept, self._stop_text = self._cut_at_stop(out, self.target.decode(out))
             del out[len(kept):]
             return "stop_string"
         return finish
+
+    def _stop_window(self, out: list[int], upto: int) -> int:
+        """Where a decode starts so that the text before out[upto:] is longer than any stop string:
+        a stop string that ends after `upto` begins inside it (however many tokens a round added)."""
+        longest = max(map(len, self.cfg.stop)) + MAX_CHAR_TOKENS   # + a character split at the start
+        start = upto
+        while start > 0 and len(self.target.decode(out[start:upto])) < longest:
+            start = max(0, start - longest)
+        return start
+
+    def _releasable(self, out: list[int], released: int, finish) -> int:
+        """How many of `out` the events may have carried by now: all but the last tokens whose text
+        could still begin a stop string (a character not yet complete included), so that the events
+        add up to the result even where a stop string found later spans rounds."""
+        if not self.cfg.stop or finish is not None:
+            return len(out)
+        start = self._stop_window(out, released)
+        text = self.target.decode(out[start:])
+        bare = text.rstrip(REPLACEMENT)
+        held = len(text) - len(bare) + stop_prefix_len(bare, self.cfg.stop, len(bare))
+        n = len(out)
+        while held and n > released and len(self.target.decode(out[start:n])) > len(text) - held:
+            n -= 1
+        return n
 
     def _cut_at_stop(self, out, text):
         cut = min((text.find(s) for s in self.cfg.stop if s in text), default=-1)
