@@ -141,8 +141,13 @@ def test_errors_exit_2_with_one_line(tiny_llama_dir, capsys, argv, match):
     (["train", "data", "--num-prompts", "-5"], "num_prompts must be an integer >= 1"),
     (["train", "features", "--layers", "1,x"], "--layers must be comma-separated integers, got"),
     (["profile", "--contexts", "128,x"], "--contexts must be comma-separated integers, got"),
+    (["generate", "--budget", "0", "hi"], "budget must be an integer >= 1"),       # took ~9 s of loading
+    (["generate", "--method", "ar", "--temperature", "-1", "hi"], "temperature must be"),
+    (["generate", "--lookup-store", "train-data", "hi"], "needs lookup=N > 0"),
+    (["serve", "--port", "0", "--lookup", "-1"], "lookup must be"),
+    (["serve", "--port", "0", "--draft-vocab", "-3"], "draft_vocab must be"),
 ])
-def test_bad_training_and_profile_flags_exit_2_before_the_target_loads(capsys, monkeypatch, tmp_path, argv, match):
+def test_bad_flags_exit_2_before_the_target_loads(capsys, monkeypatch, tmp_path, argv, match):
     import dominotree as dt
 
     def no_load(*a, **k):

@@ -31,20 +31,22 @@ def cmd_generate(args) -> int:
     need = args.method != "ar"
     if need and args.drafter is None:
         args.drafter = "smollm2-135m-dflash" if args.method in ("dflash", "ddtree", "caddtree") else "smollm2-135m-domino"
+    # checked before the models load (seconds): a bad flag is refused at once
+    cfg = dt.SpecConfig.from_kwargs(
+        method=args.method, max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+        top_k=args.top_k, seed=args.seed, raw=args.raw, budget=args.budget, node_topk=args.node_topk,
+        corr_topm=None if args.corr_topm <= 0 else args.corr_topm, builder=args.builder,
+        stop=args.stop or [], cost_model=args.cost_model, lookup=args.lookup, lookup_ngram=args.lookup_ngram,
+        lookup_store=args.lookup_store, lookup_store_min_n=args.lookup_store_min_n,
+        draft_vocab=args.draft_vocab, draft_vocab_source=args.draft_vocab_source)
     target, drafter = _load(args, need)
     prompt = args.prompt if args.prompt != "-" else sys.stdin.read()
-    opts = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                top_k=args.top_k, seed=args.seed, raw=args.raw, budget=args.budget, node_topk=args.node_topk,
-                corr_topm=None if args.corr_topm <= 0 else args.corr_topm, builder=args.builder,
-                stop=args.stop or [], cost_model=args.cost_model, lookup=args.lookup, lookup_ngram=args.lookup_ngram,
-                lookup_store=args.lookup_store, lookup_store_min_n=args.lookup_store_min_n,
-                draft_vocab=args.draft_vocab, draft_vocab_source=args.draft_vocab_source)
     if args.json:
-        r = dt.generate(target, drafter, prompt, method=args.method, **opts)
+        r = dt.generate(target, drafter, prompt, config=cfg)
         print(json.dumps({"text": r.text, "token_ids": r.token_ids, "stats": r.stats}))
         return 0
     from .detokenize import IncrementalText
-    stream = dt.stream_generate(target, drafter, prompt, method=args.method, **opts)
+    stream = dt.stream_generate(target, drafter, prompt, config=cfg)
     text = IncrementalText(target.decode, stream.cfg.stop)
     for event in stream:    # print text as rounds commit
         sys.stdout.write(text.push(event.token_ids))

@@ -407,6 +407,9 @@ def _listen(host: str, port: int) -> socket.socket:
 def main(args) -> int:
     import uvicorn
     sock = _listen(args.host, args.port)
+    dt.SpecConfig(method=args.method, lookup=args.lookup, lookup_store=args.lookup_store,   # bad flags: before
+                  draft_vocab=args.draft_vocab, draft_vocab_source=args.draft_vocab_source,   # the models load
+                  cost_model=args.cost_model)
     if args.method != "ar" and args.drafter is None:
         dflash = args.method in ("dflash", "ddtree", "caddtree")   # the same defaults as `generate`
         args.drafter = "smollm2-135m-dflash" if dflash else "smollm2-135m-domino"
