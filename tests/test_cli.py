@@ -59,6 +59,20 @@ def test_streamed_text_is_the_answer_even_where_rounds_split_characters(byte_lev
         assert code == 0 and streamed == answer[:answer.find(stop)]
 
 
+def test_a_reader_that_goes_away_ends_the_command_quietly(tiny_llama_dir):
+    """`dominotree generate ... | head -c 1` printed 'error: [Errno 32] Broken pipe' and exited 2."""
+    import subprocess
+    import sys
+    proc = subprocess.Popen([sys.executable, "-m", "dominotree.cli", "generate", "--model", str(tiny_llama_dir),
+                             "--dtype", "fp32", "--method", "ar", "--max-new-tokens", "200", "hello world"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.read(1)
+    proc.stdout.close()                      # as `head -c 1` does, long before 200 tokens are out
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 141, err
+    assert "Broken pipe" not in err and "Traceback" not in err and "Exception ignored" not in err, err
+
+
 def test_no_pack_and_no_gqa_flags_load_the_plain_paths(tiny_llama_dir, capsys, monkeypatch):
     import dominotree as dt
     seen = []

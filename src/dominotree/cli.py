@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from . import __version__
@@ -209,6 +210,9 @@ def main(argv=None) -> int:
     from .offline_data import DatasetUnavailable
     try:
         return args.func(args) or 0
+    except BrokenPipeError:    # the reader went away (`| head`): stop quietly, as other tools do
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())   # no second error at exit
+        return 141             # 128 + SIGPIPE
     except (ValueError, UsageError, ModelNotFoundError, DrafterLoadError, DatasetUnavailable, OSError) as e:
         print(f"dominotree: error: {e}", file=sys.stderr)
         return 2
