@@ -13,7 +13,7 @@ def load_drafter(name_or_path, target=None, **kwargs):
     return _load(name_or_path, target=target, **kwargs)
 
 
-__all__ = ["METHODS", "SpecConfig", "IncrementalText", "GenerationResult", "GenerationStream", "RoundEvent", "generate",
-           "stream_generate", "ModelNotFoundError", "list_models", "TargetModel", "load_target",
+__all__ = ["METHODS", "SpecConfig", "IncrementalText", "GenerationResult", "GenerationStream", "RoundEvent",
+           "generate", "stream_generate", "ModelNotFoundError", "list_models", "TargetModel", "load_target",
            "load_drafter", "DraftTree"]
 __version__ = "0.1.0"

@@ -48,7 +48,7 @@ def cmd_generate(args) -> int:
         return 0
     from .detokenize import IncrementalText
     stream = dt.stream_generate(target, drafter, prompt, config=cfg)
-    text = IncrementalText(target.decode, stream.cfg.stop)
+    text = IncrementalText(target.decode, cfg.stop)
     for event in stream:    # print text as rounds commit
         sys.stdout.write(text.push(event.token_ids))
         sys.stdout.flush()

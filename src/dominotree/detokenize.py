@@ -38,10 +38,10 @@ class IncrementalText:
         return self._release(final=True)
 
     def _settle(self, final: bool) -> None:
-        known = self.decode(self.ids[self.start:self.read]) if self.read > self.start else ""
         end = len(self.ids)
         if end == self.read:
             return
+        known = self.decode(self.ids[self.start:self.read]) if self.read > self.start else ""
         whole = self.decode(self.ids[self.start:end])
         # the last tokens may hold the first bytes of a character: settle up to the one before it
         for cut in range(end, max(self.read, end - MAX_CHAR_TOKENS), -1):

@@ -119,10 +119,9 @@ class GenerationStream:
             drafter.add_context(pre.features, start=0)
         root = pick_token(pre.logits[-1], cfg.temperature, cfg.top_k, cfg.top_p, gen)
         prefill_ms = (time.perf_counter() - t_start) * 1e3
-        finish = self._append(out, [root], eos)
+        finish, released = self._append(out, [root], eos, 0)
         if self.lookup is not None:
             self.lookup.extend(self.prompt_ids + [root])
-        released = self._releasable(out, 0, finish)
         yield RoundEvent(out[:released], 0)
 
         while finish is None:
@@ -171,11 +170,10 @@ class GenerationStream:
             if "budget" in info:
                 budgets.append(info["budget"])
             new = tree.tokens[path[1:]].tolist() + [bonus]
-            finish = self._append(out, new, eos)
+            finish, n = self._append(out, new, eos, released)
             if self.lookup is not None:
                 self.lookup.extend(new)
             root = bonus
-            n = self._releasable(out, released, finish)
             yield RoundEvent(out[released:n], len(path) - 1)
             released = n
 
@@ -193,8 +191,10 @@ class GenerationStream:
         if self.store is not None:
             self.result.stats["store_accepted"] = store_accepted
 
-    def _append(self, out: list[int], new: list[int], eos: set[int]) -> str | None:
-        finish, before = None, len(out)
+    def _append(self, out: list[int], new: list[int], eos: set[int], released: int) -> tuple[str | None, int]:
+        """Append a round's tokens up to EOS, the length or a stop string: (the finish reason or
+        None, how many of `out` the events may have carried by now; `released` of them went out)."""
+        finish = None
         for t in new:
             out.append(t)
             if t in eos:
@@ -203,14 +203,19 @@ class GenerationStream:
             if len(out) >= self.cfg.max_new_tokens:
                 finish = "length"
                 break
+        if not self.cfg.stop:
+            return finish, len(out)
         # also in the round that reaches EOS or the length: a stop string there is still cut
-        if self.cfg.stop and any(s in self.target.decode(out[self._stop_window(out, before):])
-                                 for s in self.cfg.stop):
+        start = self._stop_window(out, released)
+        text = self.target.decode(out[start:])
+        if any(s in text for s in self.cfg.stop):
             # cut here, so that this round's event carries no token past the stop string either
             kept, self._stop_text = self._cut_at_stop(out, self.target.decode(out))
             del out[len(kept):]
-            return "stop_string"
-        return finish
+            return "stop_string", len(out)
+        if finish is not None:
+            return finish, len(out)
+        return None, self._releasable(out, released, start, text)
 
     def _stop_window(self, out: list[int], upto: int) -> int:
         """Where a decode starts so that the text before out[upto:] is longer than any stop string:
@@ -221,14 +226,10 @@ class GenerationStream:
             start = max(0, start - longest)
         return start
 
-    def _releasable(self, out: list[int], released: int, finish) -> int:
-        """How many of `out` the events may have carried by now: all but the last tokens whose text
-        could still begin a stop string (a character not yet complete included), so that the events
-        add up to the result even where a stop string found later spans rounds."""
-        if not self.cfg.stop or finish is not None:
-            return len(out)
-        start = self._stop_window(out, released)
-        text = self.target.decode(out[start:])
+    def _releasable(self, out: list[int], released: int, start: int, text: str) -> int:
+        """All of `out` but the last tokens whose text (`text`, decoded from `start`) could still
+        begin a stop string (a character not yet complete included), so that the events add up to
+        the result even where a stop string found later spans rounds."""
         bare = text.rstrip(REPLACEMENT)
         held = len(text) - len(bare) + stop_prefix_len(bare, self.cfg.stop, len(bare))
         n = len(out)
