@@ -5,7 +5,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import dominotree as dt
-from dominotree.packed import MAX_PACKED_ROWS, PackedLinear, is_packed, pack_linears, packing, packing_available
+from dominotree.packed import (MAX_PACKED_ROWS, PackedLinear, is_packed, pack_linears, pack_weight, packed_linear,
+                              packing, packing_available, row_behaviour)
 from dominotree.trees.tree import DraftTree
 
 pytestmark = pytest.mark.skipif(not packing_available(), reason="this torch build has no oneDNN weight packing")
@@ -168,3 +169,30 @@ def test_bf16_drafter_checkpoint_loads_packed(tmp_path, bf16_pair):
     _close(outs[0].base_logits, outs[1].base_logits)
     _close(outs[0].hidden, outs[1].hidden)
     assert not is_packed(load_checkpoint(tmp_path / "d", dtype=torch.float32).backbone)
+
+
+@pytest.mark.parametrize("shape", [(576, 1536), (200, 64), (960, 576)])
+def test_a_paired_lone_row_gets_its_bits_among_other_rows(shape):
+    out_features, in_features = shape
+    g = torch.Generator().manual_seed(1)
+    packed = pack_weight((torch.randn(out_features, in_features, generator=g) / in_features ** 0.5).bfloat16())
+    x = torch.randn(64, in_features, generator=g).bfloat16()
+    whole = packed_linear(x, packed)
+    paired = torch.cat([packed_linear(x[i:i + 1], packed, pair_single=True) for i in range(64)])
+    assert torch.equal(paired, whole)
+    step = packed_linear(x[:1].view(1, 1, in_features), packed, pair_single=True)   # a step's [1, 1, in]
+    assert step.shape == (1, 1, out_features) and torch.equal(step[0], whole[:1])
+
+
+@pytest.mark.parametrize("shape", [(576, 1536), (960, 576), (3072, 576)])
+def test_row_behaviour_reports_what_fresh_rows_show(shape):
+    """Where the probe finds lone rows alike, 256 fresh rows are alike too; where it finds them
+    differing, some fresh row differs (the projection that pairing exists for: SmolLM2's down)."""
+    behaviour = row_behaviour(*shape)
+    assert behaviour.rows_agree
+    g = torch.Generator().manual_seed(2)
+    packed = pack_weight((torch.randn(*shape, generator=g) / shape[1] ** 0.5).bfloat16())
+    x = torch.randn(256, shape[1], generator=g).bfloat16()
+    whole = torch.cat([packed_linear(x[i:i + 128], packed) for i in (0, 128)])
+    alone = torch.cat([packed_linear(x[i:i + 1], packed) for i in range(256)])
+    assert torch.equal(alone, whole) != behaviour.single_differs

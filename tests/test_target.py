@@ -100,3 +100,55 @@ def test_misuse_is_rejected(tiny_target):
         target.prefill([])
     with pytest.raises(ValueError):
         target.set_taps([99])
+
+
+needs_kernel = pytest.mark.skipif("avx512_bf16" not in __import__("dominotree.tree_attention").tree_attention.cpu_flags(),
+                                  reason="the CPU has no avx512_bf16 (no tree-attention kernel)")
+
+
+def stepped_logits(target, prefix, path_tokens):
+    """Logits at the last token of prefix + path as plain decoding computes them: one token a step."""
+    logits = target.prefill(prefix, features=False).logits[-1]
+    for t in path_tokens:
+        logits = target.verify(DraftTree.single(t), features=False).logits[0]
+        target.commit([0])
+    return logits
+
+
+@needs_kernel
+def test_exact_steps_every_verify_row_is_the_step_of_its_token(tiny_llama_dir):
+    """Bit for bit, for random trees over random contexts: a node's verify logits are the logits a
+    one-token step gives once the node's path is in the cache (plain decoding's numbers)."""
+    import dominotree as dt
+    target = dt.load_target(str(tiny_llama_dir), dtype=torch.bfloat16)
+    if not target.exact_steps:
+        pytest.skip("the tree-attention kernel did not build here")
+    g = torch.Generator().manual_seed(5)
+    for trial in range(6):
+        prefix = torch.randint(4, 90, (int(torch.randint(1, 60, (1,), generator=g)),), generator=g).tolist()
+        n = int(torch.randint(2, 24, (1,), generator=g))
+        parents = [-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, n)]
+        tokens = torch.randint(4, 90, (n,), generator=g).tolist()
+        tree = DraftTree.from_lists(tokens, parents)
+        target.prefill(prefix, features=False)
+        out = target.verify(tree, features=False).logits
+        target.commit([0])
+        for i in range(n):
+            ref = stepped_logits(target, prefix, [tokens[j] for j in tree.path(i)])
+            assert torch.equal(out[i], ref), (trial, i)
+
+
+@needs_kernel
+def test_exact_steps_says_when_it_holds(tiny_llama_dir):
+    import dominotree as dt
+    import dominotree.tree_attention as ta
+    target = dt.load_target(str(tiny_llama_dir), dtype=torch.bfloat16)
+    if not ta.enabled():
+        pytest.skip("the tree-attention kernel did not build here")
+    assert target.exact_steps
+    with ta.reference_attention():                  # SDPA: other numbers for a row than for a step
+        assert not target.exact_steps
+    target.use_lean = False                         # transformers' forward
+    assert not target.exact_steps
+    assert not dt.load_target(str(tiny_llama_dir), dtype=torch.float32).exact_steps
+    assert not dt.load_target(str(tiny_llama_dir), dtype=torch.bfloat16, pack=False).exact_steps

@@ -1,5 +1,6 @@
-"""The bf16 tree-attention kernel: SDPA's accuracy against float64, rows computed on their own,
-masked keys ignored exactly, used by tree verifies only, lossless decoding, a clear switch."""
+"""The bf16 tree-attention kernel: SDPA's accuracy against float64, rows computed on their own and
+bit-identical to one-token steps over the keys they see, masked keys ignored exactly, used by tree
+verifies and one-token steps, lossless decoding, a clear switch."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -108,19 +109,56 @@ def test_bad_calls_raise_instead_of_reading_out_of_bounds(kernel):
         kernel.tree_attention(q[0, :1].contiguous(), k[0], v[0], mask, 0.125)
 
 
-def test_only_masked_bf16_blocks_of_several_rows_apply(monkeypatch):
+def test_tree_verifies_and_one_token_steps_apply(monkeypatch):
     monkeypatch.setattr(ta, "enabled", lambda: True)
     q, k, _ = qkv(2, 6, 30, 64, seed=13)
     mask = tree_mask(6, 30, seed=14)
-    assert ta.applies(q, k, mask)
-    assert not ta.applies(q, k, None)                                 # the drafter's unmasked blocks
-    assert not ta.applies(q[:, :, :1], k, mask[:, :, :1])             # a one-token step
-    assert not ta.applies(q.float(), k.float(), mask)                 # fp32 models keep SDPA
-    assert not ta.applies(q[..., :48], k[..., :48], mask)             # a head size the kernel lacks
-    assert not ta.applies(q, k, mask[:, :, :, :29])                   # a mask that does not fit
-    assert not ta.applies(q, k, mask.bool())                          # a boolean mask
+    assert ta.applies(q, k, mask, 6)                                  # a tree verify
+    assert ta.applies(q[:, :, :3], k, None, 1)                        # a one-token step (3 heads folded)
+    assert not ta.applies(q, k, None, 6)                              # the drafter's unmasked blocks
+    assert not ta.applies(q[:, :, :1], k, mask[:, :, :1], 1)          # a masked one-token block
+    assert not ta.applies(q.float(), k.float(), mask, 6)              # fp32 models keep SDPA
+    assert not ta.applies(q[..., :48], k[..., :48], mask, 6)          # a head size the kernel lacks
+    assert not ta.applies(q, k, mask[:, :, :, :29], 6)                # a mask that does not fit
+    assert not ta.applies(q, k, mask.bool(), 6)                       # a boolean mask
     monkeypatch.setattr(ta, "enabled", lambda: False)
-    assert not ta.applies(q, k, mask)
+    assert not ta.applies(q, k, mask, 6)
+    assert not ta.applies(q[:, :, :3], k, None, 1)
+
+
+@needs_kernel
+@pytest.mark.parametrize("d", ta.HEAD_SIZES)
+@pytest.mark.parametrize("context", [1, 15, 16, 47, 300])
+def test_a_tree_row_is_a_one_token_step_over_the_keys_it_sees(kernel, d, context):
+    """Bit for bit: a node's row in a tree verify (the context, then its ancestors among the tree's
+    keys) equals a one-token step that sees the context and the node's path as contiguous keys, as
+    plain decoding's cache holds them; with 3 query heads folded per key/value head."""
+    g = torch.Generator().manual_seed(context * 7 + d)
+    parents = [-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, 21)]
+    tree = DraftTree.from_lists(list(range(21)), parents)
+    n, groups = len(tree), 3
+    q, k, v = qkv(2, groups * n, context + n, d, seed=context + d)
+    anc = tree.ancestor_mask()
+    allowed = torch.cat([torch.ones(n, context, dtype=torch.bool), anc], 1).repeat(groups, 1)
+    mask = torch.zeros(1, 1, groups * n, context + n, dtype=torch.bfloat16).masked_fill_(~allowed, MIN)
+    out = ta.attention(q, k, v, mask)
+    for i in range(n):
+        keys = list(range(context)) + [context + a for a in tree.path(i)]
+        rows = [gi * n + i for gi in range(groups)]
+        step = ta.attention(q[:, :, rows].contiguous(), k[:, :, keys].contiguous(), v[:, :, keys].contiguous(), None)
+        assert torch.equal(step, out[:, :, rows]), (i, tree.path(i))
+
+
+@needs_kernel
+def test_negative_control_another_attention_shows_in_the_bits(kernel):
+    """The bit-for-bit test above can fail: a one-token step on SDPA (fp32 numerators) is within
+    rounding of the kernel's, not equal to it."""
+    q, k, v = qkv(6, 1, 200, 64, seed=21)          # 6 query heads of one token on 2 key/value heads
+    k, v = k[:, :2].contiguous(), v[:, :2].contiguous()
+    ours = grouped_sdpa(q, k, v, None)
+    with ta.reference_attention():
+        sdpa = grouped_sdpa(q, k, v, None)
+    assert not torch.equal(ours, sdpa) and (ours.float() - sdpa.float()).abs().max() < 2e-2
 
 
 def test_the_cpu_and_the_environment_decide(monkeypatch):
@@ -153,7 +191,9 @@ def test_grouped_sdpa_sends_tree_steps_to_the_kernel(kernel, monkeypatch):
     assert seen == [torch.Size([3, 10, 64])]      # the reference ran on SDPA
     assert (out.float() - ref.float()).abs().max() < 3e-2
     grouped_sdpa(q[:, :, :1], k, v, None)
-    assert len(seen) == 1                          # one-token steps keep SDPA
+    assert seen[1:] == [torch.Size([3, 2, 64])]    # a one-token step: the kernel too
+    grouped_sdpa(q, k, v, None)
+    assert len(seen) == 2                          # unmasked blocks (the drafter's) keep SDPA
 
 
 @needs_kernel

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from .gqa_attention import NAME as GQA_NAME
 from .gqa_attention import grouped_mask, grouped_sdpa
 from .packed import (MAX_PACKED_ROWS, PackedLinear, kept_or_new, lean_off, pack_weight, packed_linear,
-                      weight_key)
+                      row_behaviour, weight_key)
 
 try:
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -35,6 +35,7 @@ except ImportError:   # a transformers without the attention registry: the lean 
     ALL_ATTENTION_FUNCTIONS = None
 
 LAYOUT = ("llama", "qwen3")   # model types whose decoder this file reproduces
+PRODUCTS = ("qkv", "o", "gate_up", "down")
 
 
 def _linears(model) -> list[torch.nn.Module]:
@@ -109,6 +110,9 @@ class LeanLlama:
                 "norm2": layer.post_attention_layernorm.weight.detach(),
                 "head_norms": tuple(None if m is None else m.weight.detach() for m in _head_norms(a)),
             })
+        # products whose lone rows oneDNN computes otherwise than rows among others (packed.py)
+        self.paired = {name: bool(self.layers) and row_behaviour(*self.layers[0][name].shape).single_differs
+                       for name in PRODUCTS}
 
     def applies(self, cache, n: int, mask) -> bool:
         """Whether this step can run here: a short step (a single token, or a masked tree) onto a
@@ -130,9 +134,9 @@ class LeanLlama:
         x = m.embed_tokens(ids)[None]
         cos, sin = m.rotary_emb(x, positions[None])
         cos, sin = cos[:, None], sin[:, None]
-        wanted, feats = set(taps), {}
+        wanted, feats, pair = set(taps), {}, self.paired
         for i, (w, held) in enumerate(zip(self.layers, cache.layers)):
-            qkv = packed_linear(rms_norm(x, w["norm1"], self.eps), w["qkv"])
+            qkv = packed_linear(rms_norm(x, w["norm1"], self.eps), w["qkv"], pair_single=pair["qkv"])
             q_norm, k_norm = w["head_norms"]
             if q_norm is None:      # queries and keys rotated in one pass: the same elementwise ops
                 qk = rotate(qkv[..., :(H + Hkv) * hd].view(1, n, H + Hkv, hd).transpose(1, 2), cos, sin)
@@ -149,9 +153,10 @@ class LeanLlama:
                                    mask_grouped=True).transpose(1, 2)
             else:
                 out, _ = attention(w["attn"], q, held.keys, held.values, mask, dropout=0.0, scaling=w["attn"].scaling)
-            x = x + packed_linear(out.reshape(1, n, H * hd), w["o"])
-            gate_up = packed_linear(rms_norm(x, w["norm2"], self.eps), w["gate_up"])
-            x = x + packed_linear(F.silu(gate_up[..., :self.inter]).mul_(gate_up[..., self.inter:]), w["down"])
+            x = x + packed_linear(out.reshape(1, n, H * hd), w["o"], pair_single=pair["o"])
+            gate_up = packed_linear(rms_norm(x, w["norm2"], self.eps), w["gate_up"], pair_single=pair["gate_up"])
+            x = x + packed_linear(F.silu(gate_up[..., :self.inter]).mul_(gate_up[..., self.inter:]), w["down"],
+                                  pair_single=pair["down"])
             if i in wanted:
                 feats[i] = x[0]
         x = rms_norm(x, m.norm.weight, self.eps)[0]

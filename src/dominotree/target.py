@@ -21,7 +21,8 @@ from .gqa_attention import stock_attention, use_gqa_attention, uses_gqa_attentio
 from .lean_target import lean_for, transformers_forward
 from .lean_target import state_key as lean_state_key
 from .models import ModelNotFoundError, resolve_target
-from .packed import is_packed, pack_linears, packing
+from . import tree_attention
+from .packed import PackedLinear, is_packed, pack_linears, packing, row_behaviour
 from .trees.tree import DraftTree
 
 
@@ -69,6 +70,25 @@ class TargetModel:
     def lean(self) -> bool:
         """Whether steps (verify) run on the lean path (lean_target.py) rather than transformers' forward."""
         return self.use_lean and lean_state_key(self.model) is not None
+
+    @property
+    def exact_steps(self) -> bool:
+        """Whether a one-token step and a tree verify's row of the same token give the same bits on
+        this machine, so that greedy speculative decoding gives plain decoding's tokens exactly, not
+        up to floating-point near-ties: the lean path on packed weights with grouped attention on the
+        tree-attention kernel (rows over the keys they see, in key order), and oneDNN products that
+        treat rows alike (packed.row_behaviour; a lone row that differs runs as two)."""
+        c = self.config
+        heads, kv_heads = c.num_attention_heads, c.num_key_value_heads
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
+        if not (self.lean and self.packed and self.gqa_attention and heads > kv_heads and self.device.type == "cpu"
+                and self.dtype == torch.bfloat16 and head_dim in tree_attention.HEAD_SIZES
+                and tree_attention.enabled() and isinstance(self.model.get_output_embeddings(), PackedLinear)):
+            return False
+        shapes = [((heads + 2 * kv_heads) * head_dim, c.hidden_size), (c.hidden_size, heads * head_dim),
+                  (2 * c.intermediate_size, c.hidden_size), (c.hidden_size, c.intermediate_size),
+                  (self.vocab_size, c.hidden_size)]
+        return all(row_behaviour(*shape).rows_agree for shape in shapes)
 
     @contextmanager
     def stock(self):

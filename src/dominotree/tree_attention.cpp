@@ -1,17 +1,21 @@
-// Masked attention of a short query block (a tree verify) on AVX-512 BF16 CPUs without AMX.
+// Attention of a short query block on AVX-512 BF16 CPUs without AMX: tree verifies (a mask) and
+// one-token steps (no mask).
 //
 // torch's CPU flash kernel computes bf16 attention in fp32 products on these CPUs; for the 16-72
 // query rows of a tree verify it is compute-bound at fp32 speed. Here both products run on the
 // bf16 dot-product instruction (vdpbf16ps: bf16 pairs multiplied exactly, fp32 accumulation): the
 // scores and softmax stay fp32, the softmax numerators are rounded to bf16 for the value product,
-// as GPU flash kernels do. Every query row is computed on its own, in the same order whatever the
-// other rows are. See tree_attention.py.
+// as GPU flash kernels do. Every query row is computed on its own, over the keys it sees in key
+// order: a tree node's row (the context, then its ancestors) gives the same bits as a one-token
+// step of that node over the same keys once its path is in the cache. See tree_attention.py.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
 #include <cmath>
+#include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 namespace {
@@ -34,6 +38,13 @@ inline __m512 exp_nonpositive(__m512 x) {
   p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
   const __m512 y = _mm512_scalef_ps(p, n);
   return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-103.f), _CMP_GT_OQ), y);
+}
+
+inline float bf16_value(uint16_t h) {
+  const uint32_t bits = uint32_t(h) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
 }
 
 inline __m512 bf16_to_f32(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
@@ -74,6 +85,7 @@ void attend(const uint16_t* q, const uint16_t* k, const uint16_t* v, const void*
   at::parallel_for(0, H * rblocks, 1, [&](int64_t t0, int64_t t1) {
     std::vector<float> s(RB * Lp);
     std::vector<uint16_t> p(RB * Lp);
+    std::vector<int32_t> seen_keys(RB * Lp);   // each row's visible keys, in key order
     const __m512 sc = _mm512_set1_ps(scale);
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t h = t / rblocks, r0 = (t % rblocks) * RB;
@@ -102,30 +114,62 @@ void attend(const uint16_t* q, const uint16_t* k, const uint16_t* v, const void*
           _mm512_storeu_ps(s.data() + r * Lp + j, _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), valid, x));
         }
       }
+      // A row's scores close up over the keys its mask rules out (below -1e30), so its softmax and
+      // value sums run over the keys it sees, in the lanes and pairs a one-token step would put
+      // them in. `prefix`: the keys it sees before its first unseen one (their pairs are shared).
+      int64_t seen[RB], prefix[RB];
+      for (int r = 0; r < nr; ++r) {
+        float* sr = s.data() + r * Lp;
+        int32_t* kr = seen_keys.data() + r * Lp;
+        int64_t w = 0, first = L;
+        for (int64_t j = 0; j < L; ++j) {
+          const float m = mask == nullptr ? 0.f
+                        : mask_f32 ? static_cast<const float*>(mask)[(r0 + r) * L + j]
+                                   : bf16_value(static_cast<const uint16_t*>(mask)[(r0 + r) * L + j]);
+          if (m < -1e30f) {
+            first = std::min(first, j);
+            continue;
+          }
+          sr[w] = sr[j];
+          kr[w++] = int32_t(j);
+        }
+        if (w == 0) {            // a row that sees nothing: every key, as SDPA weighs a fully masked row
+          for (int64_t j = 0; j < L; ++j) kr[j] = int32_t(j);
+          w = L, first = L;      // (its scores were not moved)
+        }
+        seen[r] = w, prefix[r] = first;
+        for (int64_t j = w; j < (w + KB - 1) / KB * KB; ++j) sr[j] = -INFINITY;
+      }
       // softmax numerators, rounded to bf16 for the value product, and their fp32 sums
       float inv[RB];
       for (int r = 0; r < nr; ++r) {
         const float* sr = s.data() + r * Lp;
+        const int64_t Lr = (seen[r] + KB - 1) / KB * KB;
         __m512 mx = _mm512_set1_ps(-INFINITY);
-        for (int64_t j = 0; j < Lp; j += KB) mx = _mm512_max_ps(mx, _mm512_loadu_ps(sr + j));
+        for (int64_t j = 0; j < Lr; j += KB) mx = _mm512_max_ps(mx, _mm512_loadu_ps(sr + j));
         const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
         __m512 sum = _mm512_setzero_ps();
-        for (int64_t j = 0; j < Lp; j += KB) {
+        for (int64_t j = 0; j < Lr; j += KB) {
           const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(sr + j), m));
           sum = _mm512_add_ps(sum, e);
           _mm256_storeu_si256(reinterpret_cast<__m256i*>(p.data() + r * Lp + j), (__m256i)_mm512_cvtneps_pbh(e));
         }
         inv[r] = 1.f / _mm512_reduce_add_ps(sum);
       }
-      // out = numerators . values / sum, G rows at a time: one key pair's numerators per broadcast
+      // out = numerators . values / sum, G rows at a time: one key pair's numerators per broadcast,
+      // over the pairs every row of the group sees unmoved; then each row's own pairs
       const uint32_t* vh = vp.data() + h * L2 * D;
+      const uint16_t* vrows = v + h * L * D;
       for (int g = 0; g < nr; g += G) {
+        const int ng = std::min(G, nr - g);
         __m512 acc[G][C];
         for (int a = 0; a < G; ++a)
           for (int c = 0; c < C; ++c) acc[a][c] = _mm512_setzero_ps();
         const uint32_t* pr[G];
+        int64_t shared = L2;
         for (int a = 0; a < G; ++a) pr[a] = reinterpret_cast<const uint32_t*>(p.data() + std::min(g + a, nr - 1) * Lp);
-        for (int64_t jp = 0; jp < L2; ++jp) {
+        for (int a = 0; a < ng; ++a) shared = std::min(shared, prefix[g + a] / 2);
+        for (int64_t jp = 0; jp < shared; ++jp) {
           __m512bh vz[C];
           for (int c = 0; c < C; ++c) vz[c] = (__m512bh)_mm512_loadu_si512(vh + jp * D + 16 * c);
           for (int a = 0; a < G; ++a) {
@@ -133,7 +177,25 @@ void attend(const uint16_t* q, const uint16_t* k, const uint16_t* v, const void*
             for (int c = 0; c < C; ++c) acc[a][c] = _mm512_dpbf16_ps(acc[a][c], vz[c], pz);
           }
         }
-        for (int a = 0; a < G && g + a < nr; ++a) {
+        for (int a = 0; a < ng; ++a) {
+          const int r = g + a;
+          const int32_t* kr = seen_keys.data() + r * Lp;
+          const int64_t pairs = (seen[r] + KB - 1) / KB * KB / 2;
+          for (int64_t jp = shared; jp < pairs; ++jp) {
+            const int64_t j0 = 2 * jp, j1 = j0 + 1;
+            const __m512bh pz = (__m512bh)_mm512_set1_epi32(int(pr[a][jp]));
+            for (int c = 0; c < C; ++c) {
+              const __m512i lo = j0 < seen[r] ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(
+                                     reinterpret_cast<const __m256i*>(vrows + int64_t(kr[j0]) * D + 16 * c)))
+                                              : _mm512_setzero_si512();
+              const __m512i hi = j1 < seen[r] ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(
+                                     reinterpret_cast<const __m256i*>(vrows + int64_t(kr[j1]) * D + 16 * c)))
+                                              : _mm512_setzero_si512();
+              acc[a][c] = _mm512_dpbf16_ps(acc[a][c], (__m512bh)_mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)), pz);
+            }
+          }
+        }
+        for (int a = 0; a < ng; ++a) {
           uint16_t* o = out + (h * R + r0 + g + a) * D;
           const __m512 iv = _mm512_set1_ps(inv[g + a]);
           for (int c = 0; c < C; ++c)

@@ -1,4 +1,5 @@
-"""Tree-verify attention on the bf16 dot-product instruction, for CPUs that have it but no AMX.
+"""Attention on the bf16 dot-product instruction, for CPUs that have it but no AMX: tree verifies
+and one-token steps.
 
 A tree verify attends 16-72 query rows (a tree's nodes times the query heads folded onto each
 key/value head, gqa_attention.py) to a few hundred cached keys. On an AVX-512 BF16 CPU without AMX
@@ -9,8 +10,17 @@ products, fp32 sums) with an fp32 softmax, rounding only the softmax numerators 
 value product, as GPU flash kernels do: 1.6-2x faster than SDPA at 16-72 rows, with the same error
 against a float64 reference (tests/test_tree_attention.py).
 
-It serves masked query blocks of more than one row (`grouped_sdpa`'s tree steps, the target's lean
-path and module path alike, so the two stay bit-identical); one-token steps, prompts and the
+Each row runs over the keys it sees, in key order, closed up over the keys its mask rules out: a
+node's row (the context, then its ancestors) is computed exactly as a one-token step of that node
+once its path is in the cache. One-token steps run on the kernel too (at 100-1000 cached keys it is
+also 1.4-2.3x faster there than SDPA), so a verify's row and plain decoding's step of the same token
+give the same bits, and with row-consistent linears (packed.py) greedy speculative decoding gives
+plain decoding's tokens exactly (`TargetModel.exact_steps`). Before the fifty-fourth session the
+steps ran on SDPA and 19 of 24 benchmark answers (128 tokens, DominoTree) parted from plain decoding
+at a near-tie; now none do.
+
+It serves masked query blocks of more than one row and unmasked one-token steps (`grouped_sdpa`,
+the target's lean path and module path alike, so the two stay bit-identical); prompts and the
 drafter's unmasked blocks keep SDPA. It is compiled on first use into the dominotree cache (a C++
 compiler and ninja) and used by default where the CPU reports avx512_bf16 and no amx_bf16; on AMX
 CPUs torch's kernel runs on AMX tiles, which were not measured against it.
@@ -94,7 +104,7 @@ def _switched(on: bool):
 
 
 def reference_attention():
-    """Run tree verifies on SDPA inside this block (an A/B, or the reference in tests)."""
+    """Run tree verifies and one-token steps on SDPA inside this block (an A/B, or the reference in tests)."""
     return _switched(False)
 
 
@@ -103,20 +113,24 @@ def kernel_attention():
     return _switched("avx512_bf16" in cpu_flags())
 
 
-def applies(q: torch.Tensor, k: torch.Tensor, mask) -> bool:
-    """A masked block of several bf16 CPU query rows of one sequence, a head size the kernel has,
-    and a mask it reads as it is ([1, 1, rows, keys], additive)."""
-    return (q.device.type == "cpu" and q.dtype == torch.bfloat16 and k.dtype == torch.bfloat16
-            and q.dim() == 4 and q.shape[0] == 1 and q.shape[2] > 1 and q.shape[-1] in HEAD_SIZES
-            and mask is not None and mask.dim() == 4 and mask.shape[:2] == (1, 1)
-            and mask.shape[2] == q.shape[2] and mask.shape[3] == k.shape[2]
-            and mask.dtype in (torch.bfloat16, torch.float32) and enabled())
+def applies(q: torch.Tensor, k: torch.Tensor, mask, tokens: int) -> bool:
+    """bf16 CPU query rows of one sequence for `tokens` positions, a head size the kernel has, and
+    either a mask it reads as it is ([1, 1, rows, keys], additive) over several positions (a tree
+    verify) or no mask for one position (a one-token step: each row sees every key)."""
+    if mask is None:
+        shaped = tokens == 1
+    else:
+        shaped = (tokens > 1 and mask.dim() == 4 and mask.shape[:2] == (1, 1)
+                  and mask.shape[2] == q.shape[2] and mask.shape[3] == k.shape[2]
+                  and mask.dtype in (torch.bfloat16, torch.float32))
+    return (shaped and q.device.type == "cpu" and q.dtype == torch.bfloat16 and k.dtype == torch.bfloat16
+            and q.dim() == 4 and q.shape[0] == 1 and q.shape[-1] in HEAD_SIZES and enabled())
 
 
 def attention(q, k, v, mask, scale=None) -> torch.Tensor:
-    """SDPA of q [1, H, R, D] on k, v [1, H, L, D] under the additive mask [1, 1, R, L] -> [1, H, R, D]
-    (bf16). Call where `applies` holds."""
+    """SDPA of q [1, H, R, D] on k, v [1, H, L, D] under the additive mask [1, 1, R, L] (or None: every
+    row sees every key) -> [1, H, R, D] (bf16). Call where `applies` holds."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     out = _state["module"].tree_attention(q[0].contiguous(), k[0].contiguous(), v[0].contiguous(),
-                                          mask[0, 0].contiguous(), scale)
+                                          None if mask is None else mask[0, 0].contiguous(), scale)
     return out[None]
