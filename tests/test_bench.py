@@ -74,7 +74,12 @@ def test_full_run_writes_files_passes_equality_and_report_only_reproduces(bench_
         assert r["lookup_accepted"] is None or 0 <= r["lookup_accepted"] < r["new_tokens"]
     md = (out / "summary.md").read_text()
     assert "dominotree bench --methods ar,dflash," in md and "| all | dominotree |" in md and "FAILED" not in md
-    machine = json.loads((out / "run.json").read_text())["machine"]      # speedups depend on the CPU
+    info = json.loads((out / "run.json").read_text())
+    assert ("Exact steps: on" in md) == info["exact_steps"] and ("Exact steps: off" in md) != info["exact_steps"]
+    if info["exact_steps"]:     # a bf16 target on the kernel: our methods give ar's tokens bit for bit
+        assert all(r["equality"]["match"] == "exact" for r in recs
+                   if r["temperature"] == 0 and r["base_method"] not in ("ar", "hf-ar", "hf-prompt-lookup"))
+    machine = info["machine"]      # speedups depend on the CPU
     assert machine["cores"] >= 1 and machine["torch_threads"] >= 1 and f"- machine: {describe(machine)}" in md
 
     again = tmp_path / "again"
@@ -276,7 +281,12 @@ def test_pack_0_specs_run_on_the_plain_path(bench_env, tiny_llama_dir, tmp_path,
     assert seen.count(("LlamaForCausalLM", False)) == 2 * n and seen.count(("DFlashBackbone", False)) == n
     assert seen.count(("DominoHead", False)) == n and all(not enabled for _, enabled in seen)
     from dominotree.packed import packing_available
-    assert json.loads((out / "run.json").read_text())["packed"] == packing_available()
+    info = json.loads((out / "run.json").read_text())
+    assert info["packed"] == packing_available()
+    from dominotree.tree_attention import enabled
+    assert info["exact_steps"] == (packing_available() and enabled())     # a bf16 GQA target on the kernel
+    if info["exact_steps"]:
+        assert all(r["equality"]["match"] == "exact" for r in recs if r["method"] == "dominotree")
 
 
 def test_gqa_0_specs_run_on_transformers_sdpa(bench_env, tiny_llama_dir, tmp_path, monkeypatch):

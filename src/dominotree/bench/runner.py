@@ -109,6 +109,7 @@ def main(args) -> int:
     cost_model = ensure_cost_model(args, target, drafters, specs, out)
     info = {"command": command_line(args), "model": args.model, "packed": target.packed,
             "gqa_attention": target.gqa_attention, "lean_target": target.lean, "tree_attention": tree_attention_status(),
+            "exact_steps": target.exact_steps,
             "lean_drafters": sorted(k for k, d in drafters.items() if d.lean() is not None),
             "tree_builder": native_status() if "domino" in drafters else None,
             "cost_model": cost_model, "tie_tol": args.tie_tol, "reference": args.reference, "machine": machine_info(),
