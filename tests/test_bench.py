@@ -252,6 +252,7 @@ def test_method_specs_and_presets():
     assert not parse_method("ar:pack=0").packed and parse_method("dominotree:pack=1,budget=8").packed
     assert parse_method("dominotree:pack=0,budget=8").options == {"budget": 8}
     assert not parse_method("ar:gqa=0").gqa and parse_method("ar:gqa=0").packed and parse_method("ar").gqa
+    assert not parse_method("ar:tree_attention=0").tree_attention and parse_method("ar").tree_attention
     for bad in ("nope", "dominotree:budgett=3", "dominotree:budget=0", "domino:drafter=dflash", "hf-ar:x=1",
                 "dominotree:conditioning=weird", "dominotree:budget", "dominotree:lookup=-2", "ar:budget=4",
                 "hf-ar:pack=0", "dominotree:pack=2", "ar:gqa=yes", "hf-ar:gqa=0"):
@@ -423,3 +424,26 @@ def test_build_time_takes_a_dominotree_spec_and_rejects_other_methods(bench_env,
         assert cli_main(args + ["--methods", bad]) == 2
         assert "--build-time" in capsys.readouterr().err
     assert cli_main(args + ["--preset", "topm"]) == 2 and "--preset" in capsys.readouterr().err
+
+
+def test_tree_attention_0_specs_attend_on_sdpa_in_steps_and_verifies(bench_env, tiny_llama_dir, tmp_path, monkeypatch):
+    import dominotree.tree_attention as ta
+    if not ta.enabled():
+        pytest.skip(f"no tree-attention kernel here: {ta.status()}")
+    import dominotree.bench.runner as runner
+    calls, current = {}, {"label": None}
+    real_kernel, real_run = ta._state["module"].tree_attention, runner.run_one
+    monkeypatch.setattr(ta._state["module"], "tree_attention",
+                        lambda *a: calls.__setitem__(current["label"], calls.get(current["label"], 0) + 1) or real_kernel(*a))
+
+    def run_one(target, drafters, spec, *rest, **kw):
+        current["label"] = spec.label
+        return real_run(target, drafters, spec, *rest, **kw)
+    monkeypatch.setattr(runner, "run_one", run_one)
+    rc = cli_main(["bench", "--model", str(tiny_llama_dir), "--dtype", "bf16", "--prompts-file",
+                   str(bench_env / "prompts.jsonl"), "--domino-drafter", str(bench_env / "domino"), "--methods",
+                   "ar,ar:tree_attention=0,dominotree,dominotree:tree_attention=0", "--out", str(tmp_path / "ta"),
+                   "--max-new-tokens", "8", "--max-samples", "1", "--warmup", "0"])
+    assert rc == 0
+    assert calls.get("ar") and calls.get("dominotree")
+    assert "ar:tree_attention=0" not in calls and "dominotree:tree_attention=0" not in calls

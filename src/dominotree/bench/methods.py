@@ -5,8 +5,8 @@ A spec's label is how it appears in every table; its options override the run-wi
 the plain linears instead of the pre-packed ones, `gqa=0` on transformers' `sdpa` attention
 instead of the packed GQA one, `lean=0` drafts on the drafter's module path instead of its lean
 one and `lean_target=0` steps the target (`ar` too) on transformers' forward instead of its lean
-path, `tree_attention=0` verifies trees on SDPA instead of the bf16 tree-attention kernel
-(interleaved A/Bs of those fast paths); the rest are SpecConfig fields."""
+path, `tree_attention=0` (`ar` too) attends on SDPA instead of the bf16 tree-attention kernel in
+tree verifies and one-token steps (interleaved A/Bs of those fast paths); the rest are SpecConfig fields."""
 from __future__ import annotations
 
 import time
@@ -21,7 +21,7 @@ ALL_METHODS = METHODS + HF_PEERS
 DOMINO_METHODS = ("domino", "dominotree", "condadaptive")      # default to the Domino drafter
 RUN_WIDE = {"method", "temperature", "max_new_tokens", "seed", "stop", "raw"}   # set by the runner
 SWITCHES = ("pack", "gqa", "lean", "lean_target", "tree_attention")  # on/off fast paths
-AR_SWITCHES = ("pack", "gqa", "lean_target")       # the only options `ar` takes (it drafts nothing)
+AR_SWITCHES = ("pack", "gqa", "lean_target", "tree_attention")       # the only options `ar` takes (it drafts nothing)
 PRESETS = {
     "ladder": ["ddtree:drafter=domino", "dominotree:conditioning=greedy", "dominotree"],
     "topm": [f"dominotree:corr_topm={m}" for m in (8, 16, 32, 64)] + ["dominotree:corr_topm=full"],
@@ -42,7 +42,7 @@ class MethodSpec:
     gqa: bool = True                             # False: transformers' sdpa (`gqa=0`, see gqa_attention.py)
     lean: bool = True                            # False: the drafter's module path (`lean=0`, see drafters/lean.py)
     lean_target: bool = True                     # False: transformers' forward for the target (see lean_target.py)
-    tree_attention: bool = True                  # False: SDPA for tree verifies (see tree_attention.py)
+    tree_attention: bool = True                  # False: SDPA for verifies and steps (tree_attention.py)
 
     @property
     def is_peer(self) -> bool:
