@@ -188,10 +188,10 @@ def test_a_paired_lone_row_gets_its_bits_among_other_rows(shape):
 def test_row_behaviour_reports_what_fresh_rows_show(shape):
     """Where the probe finds lone rows alike, 256 fresh rows are alike too; where it finds them
     differing, some fresh row differs (the projection that pairing exists for: SmolLM2's down)."""
-    behaviour = row_behaviour(*shape)
-    assert behaviour.rows_agree
     g = torch.Generator().manual_seed(2)
     packed = pack_weight((torch.randn(*shape, generator=g) / shape[1] ** 0.5).bfloat16())
+    behaviour = row_behaviour(packed)
+    assert behaviour.rows_agree
     x = torch.randn(256, shape[1], generator=g).bfloat16()
     whole = torch.cat([packed_linear(x[i:i + 128], packed) for i in (0, 128)])
     alone = torch.cat([packed_linear(x[i:i + 1], packed) for i in range(256)])

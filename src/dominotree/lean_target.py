@@ -111,8 +111,9 @@ class LeanLlama:
                 "head_norms": tuple(None if m is None else m.weight.detach() for m in _head_norms(a)),
             })
         # products whose lone rows oneDNN computes otherwise than rows among others (packed.py)
-        self.paired = {name: bool(self.layers) and row_behaviour(*self.layers[0][name].shape).single_differs
-                       for name in PRODUCTS}
+        behaviours = {name: row_behaviour(self.layers[0][name]) for name in PRODUCTS} if self.layers else {}
+        self.paired = {name: name in behaviours and behaviours[name].single_differs for name in PRODUCTS}
+        self.rows_agree = all(b.rows_agree for b in behaviours.values())
 
     def applies(self, cache, n: int, mask) -> bool:
         """Whether this step can run here: a short step (a single token, or a masked tree) onto a

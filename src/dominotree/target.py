@@ -81,14 +81,13 @@ class TargetModel:
         c = self.config
         heads, kv_heads = c.num_attention_heads, c.num_key_value_heads
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
+        head = self.model.get_output_embeddings()
         if not (self.lean and self.packed and self.gqa_attention and heads > kv_heads and self.device.type == "cpu"
                 and self.dtype == torch.bfloat16 and head_dim in tree_attention.HEAD_SIZES
-                and tree_attention.enabled() and isinstance(self.model.get_output_embeddings(), PackedLinear)):
+                and tree_attention.enabled() and isinstance(head, PackedLinear) and head.packed_enabled):
             return False
-        shapes = [((heads + 2 * kv_heads) * head_dim, c.hidden_size), (c.hidden_size, heads * head_dim),
-                  (2 * c.intermediate_size, c.hidden_size), (c.hidden_size, c.intermediate_size),
-                  (self.vocab_size, c.hidden_size)]
-        return all(row_behaviour(*shape).rows_agree for shape in shapes)
+        self._lean_kept = lean_for(self.model, self._lean_kept)     # the path the next request steps on
+        return self._lean_kept.rows_agree and row_behaviour(head._packed, head.bias).rows_agree
 
     @contextmanager
     def stock(self):
