@@ -131,8 +131,8 @@ def equality_section(rows, records, info) -> list[str]:
     lines = [f"## Equality with `{BASELINE}` at temperature 0 (tie tolerance {info.get('tie_tol', '?')})", ""]
     if "exact_steps" in info:
         lines += [("Exact steps: on (a verify's row and a one-token step of the same token give the same bits "
-                   "here, so methods on the default paths must give `ar`'s tokens exactly; a near-tie there "
-                   "means a path left them)." if info["exact_steps"] else
+                   "here, so methods on the default fast paths are expected to give `ar`'s tokens exactly; a "
+                   "near-tie on one of them means some step left those paths)." if info["exact_steps"] else
                    "Exact steps: off (this machine's verify rows and one-token steps may round differently: "
                    "near-ties can part a method from `ar`)."), ""]
     lines += ["| dataset | method | exact | near-ties | DIVERGED |", "|---|---|---|---|---|"]
