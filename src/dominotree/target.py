@@ -78,16 +78,14 @@ class TargetModel:
         up to floating-point near-ties: the lean path on packed weights with grouped attention on the
         tree-attention kernel (rows over the keys they see, in key order), and oneDNN products that
         treat rows alike (packed.row_behaviour; a lone row that differs runs as two)."""
-        c = self.config
-        heads, kv_heads = c.num_attention_heads, c.num_key_value_heads
-        head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
         head = self.model.get_output_embeddings()
-        if not (self.lean and self.packed and self.gqa_attention and heads > kv_heads and self.device.type == "cpu"
-                and self.dtype == torch.bfloat16 and head_dim in tree_attention.HEAD_SIZES
-                and tree_attention.enabled() and isinstance(head, PackedLinear) and head.packed_enabled):
+        if not (self.lean and self.packed and self.gqa_attention and self.device.type == "cpu"
+                and self.dtype == torch.bfloat16 and tree_attention.enabled()
+                and isinstance(head, PackedLinear) and head.packed_enabled):
             return False
-        self._lean_kept = lean_for(self.model, self._lean_kept)     # the path the next request steps on
-        return self._lean_kept.rows_agree and row_behaviour(head._packed, head.bias).rows_agree
+        lean = self._lean_kept = lean_for(self.model, self._lean_kept)     # the path the next request steps on
+        return (lean.heads > lean.kv_heads and lean.head_dim in tree_attention.HEAD_SIZES and lean.rows_agree
+                and row_behaviour(head._packed, head.bias).rows_agree)
 
     @contextmanager
     def stock(self):
