@@ -41,7 +41,7 @@ def test_checkpoint_layout_and_round_trip(tiny_target, ckpt_dir, domino):
         assert load_file(str(path / "model.safetensors"))["embed_proj.0.weight"].shape == (16, 64 + 24)
     else:
         assert cfg["architectures"] == ["DFlashDraftModel"]
-    loaded = dt.load_drafter(str(path), target=tiny_target)
+    loaded = dt.load_drafter(str(path), target=tiny_target, pack=False)   # the module path, as `original`
     assert type(loaded) is type(original)
     a = dt.generate(tiny_target, original, [1, 5, 6], method="domino" if domino else "dflash", max_new_tokens=12)
     b = dt.generate(tiny_target, loaded, [1, 5, 6], method="domino" if domino else "dflash", max_new_tokens=12)
@@ -54,6 +54,10 @@ def test_checkpoint_layout_and_round_trip(tiny_target, ckpt_dir, domino):
         d.add_context(pre.features, 0)
     oa, ob = original.draft(9, 4, tiny_target), loaded.draft(9, 4, tiny_target)
     assert torch.equal(oa.base_logits, ob.base_logits)
+    packed = dt.load_drafter(str(path), target=tiny_target)      # fp32 packed: up to fp32 rounding
+    packed.reset()
+    packed.add_context(pre.features, 0)
+    torch.testing.assert_close(packed.draft(9, 4, tiny_target).base_logits, oa.base_logits, rtol=1e-4, atol=1e-4)
 
 
 def test_domino_architecture_name_variants(tiny_target, ckpt_dir):

@@ -48,6 +48,16 @@ def test_lean_steps_equal_transformers_bit_for_bit(bf16_target):
             assert torch.equal(a, b)
 
 
+def test_fp32_lean_steps_equal_transformers(tiny_target):
+    """fp32 weights are packed too (column-major copies), and the lean path runs on them."""
+    assert tiny_target.dtype == torch.float32 and tiny_target.packed and tiny_target.lean
+    for a, b in zip(steps(tiny_target, True), steps(tiny_target, False)):
+        # MKL may block a fused product's sums otherwise than its parts'
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    with packing(tiny_target.model, False):
+        assert not tiny_target.lean
+
+
 def test_lean_path_actually_runs_and_not_for_prompts(bf16_target, monkeypatch):
     calls = []
     real = LeanLlama.forward
@@ -80,7 +90,7 @@ def test_qwen3_steps_equal_transformers_bit_for_bit(tiny_qwen3_dir):
 
 
 def test_lean_stays_off_where_it_cannot_reproduce(bf16_target, tiny_target, tiny_llama_dir, tmp_path):
-    assert not tiny_target.lean                        # float32: no packed kernels to share
+    assert not dt.load_target(str(tiny_llama_dir), dtype=torch.float16).lean    # fp16: not packed
     with packing(bf16_target.model, False):
         assert not bf16_target.lean
     with bf16_target.stock():

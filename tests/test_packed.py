@@ -1,4 +1,4 @@
-"""Pre-packed bf16 linears: the same outputs as the plain path, lossless decoding, clean fallbacks."""
+"""Pre-packed bf16 and fp32 linears: the same outputs as the plain path, lossless decoding, clean fallbacks."""
 import pytest
 import torch
 import torch.nn as nn
@@ -12,40 +12,66 @@ from dominotree.trees.tree import DraftTree
 pytestmark = pytest.mark.skipif(not packing_available(), reason="this torch build has no oneDNN weight packing")
 
 
+def _pair(tiny_llama_dir, dtype):
+    plain = dt.load_target(str(tiny_llama_dir), dtype=dtype, pack=False)
+    packed = dt.load_target(str(tiny_llama_dir), dtype=dtype)
+    return plain, packed
+
+
 @pytest.fixture(scope="module")
 def bf16_pair(tiny_llama_dir):
-    plain = dt.load_target(str(tiny_llama_dir), dtype=torch.bfloat16, pack=False)
-    packed = dt.load_target(str(tiny_llama_dir), dtype=torch.bfloat16)
-    return plain, packed
+    return _pair(tiny_llama_dir, torch.bfloat16)
+
+
+@pytest.fixture(scope="module", params=[torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def any_pair(request, tiny_llama_dir):
+    return _pair(tiny_llama_dir, request.param)
 
 
 def _close(a, b):
     # oneDNN runs the same bf16 kernel on both paths (bit-identical on the CPUs measured); allow
-    # one bf16 rounding step in case another CPU blocks the reduction differently.
-    torch.testing.assert_close(a.float(), b.float(), rtol=1e-2, atol=1e-2)
+    # one bf16 rounding step in case another CPU blocks the reduction differently. fp32: MKL blocks
+    # the column-major copy's sums otherwise, an fp32 rounding step or so apart.
+    tol = 1e-4 if a.dtype == torch.float32 and b.dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(a.float(), b.float(), rtol=tol, atol=tol)
 
 
-def test_load_target_packs_bf16_only(tiny_llama_dir, bf16_pair):
-    plain, packed = bf16_pair
+def test_load_target_packs_bf16_and_fp32(tiny_llama_dir, any_pair):
+    plain, packed = any_pair
     assert packed.packed and not plain.packed
     n_linear = sum(type(m) is nn.Linear for m in plain.model.modules())
     assert sum(isinstance(m, PackedLinear) for m in packed.model.modules()) == n_linear > 0
-    assert not dt.load_target(str(tiny_llama_dir), dtype=torch.float32).packed
+    assert not dt.load_target(str(tiny_llama_dir), dtype=torch.float16).packed
     # parameters and their names are untouched
     sp, sq = plain.model.state_dict(), packed.model.state_dict()
     assert sp.keys() == sq.keys() and all(torch.equal(sp[k], sq[k]) for k in sp)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("rows", [1, 3, 17, MAX_PACKED_ROWS + 5])
-def test_packed_linear_matches_plain(rows):
+def test_packed_linear_matches_plain(rows, dtype):
     torch.manual_seed(0)
-    lin = nn.Linear(64, 200, bias=rows % 2 == 1).to(torch.bfloat16)
-    ref = nn.Linear(64, 200, bias=lin.bias is not None).to(torch.bfloat16)
+    lin = nn.Linear(64, 200, bias=rows % 2 == 1).to(dtype)
+    ref = nn.Linear(64, 200, bias=lin.bias is not None).to(dtype)
     ref.load_state_dict(lin.state_dict())
     assert pack_linears(lin) == 1
-    x = torch.randn(2, rows, 64, dtype=torch.bfloat16)
+    x = torch.randn(2, rows, 64, dtype=dtype)
     with torch.inference_mode():
-        _close(lin(x), ref(x))
+        out = lin(x)
+        assert out.dtype == dtype
+        _close(out, ref(x))
+
+
+def test_fp32_weight_packs_as_a_column_major_copy():
+    """The fp32 copy is an [out, in] view of a contiguous [in, out] tensor, so MKL gets its "N, N"
+    product (the one that is fast for a verify's rows); the weight itself is left as it was."""
+    torch.manual_seed(0)
+    w, b = torch.randn(48, 32), torch.randn(48)
+    packed = pack_weight(w)
+    assert packed.shape == w.shape and packed.t().is_contiguous() and not packed.is_contiguous()
+    assert packed.data_ptr() != w.data_ptr() and torch.equal(packed, w)
+    for x in (torch.randn(1, 32), torch.randn(2, 5, 32)):
+        _close(packed_linear(x, packed, b, pair_single=True), F.linear(x, w, b))   # fp32 never pairs
 
 
 def _packed_linear_and_input():
@@ -76,7 +102,7 @@ def test_deepcopy_and_pickle_repack():
         for clone in (copy.deepcopy(lin), pickle.loads(pickle.dumps(lin))):
             assert isinstance(clone, PackedLinear) and clone.weight.data_ptr() != lin.weight.data_ptr()
             _close(clone(x), ref)
-    _close(copy.deepcopy(lin).float()(x.float()), ref)      # an fp32 copy runs the plain path
+    _close(copy.deepcopy(lin).float()(x.float()), ref)      # an fp32 copy repacks as fp32
 
 
 def test_grad_falls_back_to_plain_path():
@@ -88,8 +114,8 @@ def test_grad_falls_back_to_plain_path():
     assert lin.weight.grad is not None and x.grad is not None
 
 
-def test_verify_logits_and_features_match_plain(bf16_pair):
-    plain, packed = bf16_pair
+def test_verify_logits_and_features_match_plain(any_pair):
+    plain, packed = any_pair
     torch.manual_seed(1)
     prompt = torch.randint(4, 96, (30,))
     tree = DraftTree.from_lists([5, 6, 7, 8, 9, 10], [-1, 0, 0, 1, 1, 3])
@@ -108,18 +134,19 @@ def test_verify_logits_and_features_match_plain(bf16_pair):
 
 
 @pytest.mark.parametrize("method", ["ddtree", "dominotree"])
-def test_lossless_on_a_packed_target(bf16_pair, method):
+def test_lossless_on_a_packed_target(any_pair, method):
     from conftest import random_drafter
-    _, packed = bf16_pair
-    drafter = random_drafter(domino=True, seed=3).to(dtype=torch.bfloat16)
+    _, packed = any_pair
+    drafter = random_drafter(domino=True, seed=3).to(dtype=packed.dtype)
+    pack_linears(drafter.backbone)
     prompt = "hello world the w7 w8"
     ar = dt.generate(packed, None, prompt, method="ar", max_new_tokens=40, temperature=0)
     spec = dt.generate(packed, drafter, prompt, method=method, max_new_tokens=40, temperature=0, budget=8)
     assert spec.token_ids == ar.token_ids
 
 
-def test_stock_switches_to_plain_path_and_restores(bf16_pair, monkeypatch):
-    _, packed = bf16_pair
+def test_stock_switches_to_plain_path_and_restores(any_pair, monkeypatch):
+    _, packed = any_pair
     calls = []
     real = F.linear
     monkeypatch.setattr(F, "linear", lambda *a, **k: calls.append(1) or real(*a, **k))
@@ -137,9 +164,10 @@ def test_stock_switches_to_plain_path_and_restores(bf16_pair, monkeypatch):
         assert not calls                       # restored after the exception
 
 
-def test_fp32_module_is_not_packed():
-    assert pack_linears(nn.Linear(8, 8)) == 0
+def test_only_bf16_and_fp32_modules_are_packed():
+    assert pack_linears(nn.Linear(8, 8).half()) == 0 and pack_linears(nn.Linear(8, 8).double()) == 0
     assert not is_packed(nn.Sequential(nn.Linear(8, 8)))
+    assert pack_linears(nn.Linear(8, 8)) == 1
     lin = nn.Linear(8, 8).to(torch.bfloat16)
     pack_linears(lin)
     with packing(lin, False):
@@ -168,7 +196,8 @@ def test_bf16_drafter_checkpoint_loads_packed(tmp_path, bf16_pair):
         outs.append(d.draft(5, 20, target))
     _close(outs[0].base_logits, outs[1].base_logits)
     _close(outs[0].hidden, outs[1].hidden)
-    assert not is_packed(load_checkpoint(tmp_path / "d", dtype=torch.float32).backbone)
+    assert is_packed(load_checkpoint(tmp_path / "d", dtype=torch.float32).backbone)
+    assert not is_packed(load_checkpoint(tmp_path / "d", dtype=torch.float16).backbone)
 
 
 @pytest.mark.parametrize("shape", [(576, 1536), (200, 64), (960, 576)])

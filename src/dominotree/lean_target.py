@@ -7,14 +7,14 @@ one oneDNN-packed product for q/k/v and one for gate/up, the model's own rotary 
 step, the model's configured attention function (the packed GQA one, its tree mask grouped once
 per step rather than per layer, or transformers' `sdpa` under `gqa=0`) and the model's
 DynamicCache, so `commit` and `rollback` work as before. Every output column comes from the same
-packed bf16 kernel as in the module path, so a step's logits and features are bit-identical to it
-(tests/test_lean_target.py); plain decoding is 1.31x faster per token here, DominoTree 1.22x
+packed kernel as in the module path, so a step's logits and features are bit-identical to it in
+bf16 (in fp32 up to MKL's rounding of the fused products; tests/test_lean_target.py); plain decoding is 1.31x faster per token here, DominoTree 1.22x
 (docs/RESULTS.md, "Lean target path").
 It takes about the same milliseconds off a one-token step and a tree verify, so it raises every
 method's tokens per second and lowers speedups over plain decoding.
 
-It serves only what it reproduces exactly: Llama-layout models (no biases, SiLU MLP; Qwen3's
-per-head q/k norms too, without sliding windows) whose linears are packed and enabled (packed.py),
+It serves only what it reproduces: Llama-layout models (no biases, SiLU MLP; Qwen3's per-head q/k
+norms too, without sliding windows) whose linears are packed (bf16 or fp32) and enabled (packed.py),
 on steps of at most MAX_PACKED_ROWS tokens onto a cache the prefill has started. Everything else,
 prompts included, keeps transformers' forward: the reference.
 """
@@ -25,8 +25,8 @@ import torch.nn.functional as F
 
 from .gqa_attention import NAME as GQA_NAME
 from .gqa_attention import grouped_mask, grouped_sdpa
-from .packed import (MAX_PACKED_ROWS, PackedLinear, kept_or_new, lean_off, pack_weight, packed_linear,
-                      row_behaviour, weight_key)
+from .packed import (MAX_PACKED_ROWS, PACKED_DTYPES, PackedLinear, kept_or_new, lean_off, pack_weight,
+                      packed_linear, pairs_single, row_behaviour, weight_key)
 
 try:
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -59,8 +59,9 @@ def state_key(model) -> tuple | None:
     if not supported(model):
         return None
     linears = _linears(model)
-    if not all(type(m) is PackedLinear and m.packed_enabled and m.weight.dtype == torch.bfloat16
-               and m.weight.device.type == "cpu" for m in linears):
+    dtypes = {m.weight.dtype for m in linears}
+    if len(dtypes) != 1 or not dtypes <= set(PACKED_DTYPES) or not all(
+            type(m) is PackedLinear and m.packed_enabled and m.weight.device.type == "cpu" for m in linears):
         return None
     norms = [w for layer in model.model.layers
              for w in (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
@@ -111,9 +112,9 @@ class LeanLlama:
                 "head_norms": tuple(None if m is None else m.weight.detach() for m in _head_norms(a)),
             })
         # products whose lone rows oneDNN computes otherwise than rows among others (packed.py)
-        behaviours = {name: row_behaviour(self.layers[0][name]) for name in PRODUCTS} if self.layers else {}
-        self.paired = {name: name in behaviours and behaviours[name].single_differs for name in PRODUCTS}
-        self.rows_agree = all(b.rows_agree for b in behaviours.values())
+        first = self.layers[0] if self.layers else {}
+        self.paired = {name: name in first and pairs_single(first[name]) for name in PRODUCTS}
+        self.rows_agree = all(row_behaviour(first[name]).rows_agree for name in first if name in PRODUCTS)
 
     def applies(self, cache, n: int, mask) -> bool:
         """Whether this step can run here: a short step (a single token, or a masked tree) onto a

@@ -1,13 +1,20 @@
-"""Pre-packed bf16 linear layers for CPU inference.
+"""Pre-packed linear layers for CPU inference (bf16 and fp32).
 
 A plain bf16 `F.linear` on CPU hands oneDNN its weight in the plain [out, in] layout, and oneDNN
 re-blocks it on every call. Re-blocking once at load time (`mkldnn._reorder_linear_weight`)
 made plain decoding 1.19x and DominoTree 1.18x faster on a 2-core AVX-512 CPU (README,
 "Pre-packed weights"), with bit-identical outputs there: the same kernel runs, only the
-copy is gone. fp32 is left alone: there the plain path is MKL, and a packed oneDNN weight gives
-other rounding.
+copy is gone.
 
-`pack_linears` changes the class of a model's CPU bf16 `nn.Linear` modules in place, so
+fp32 goes to MKL, whose `F.linear` (x @ W^T, a "T, N" sgemm) is slow for the 4-128 rows of a tree
+verify on the CPUs measured: a 16-row product of SmolLM2's 576x576 projection took 0.31 ms against
+0.06 ms for the same product on a column-major copy of W (a "N, N" sgemm), 5x (docs/RESULTS.md,
+"fp32 on CPUs without native bf16"). An fp32 weight is therefore packed as that copy: an [out, in]
+view of a contiguous [in, out] tensor, multiplied as it lies. Its rounding differs
+from the plain path's by an fp32 step at most (the sums are blocked otherwise), so fp32 logits are
+transformers' up to fp32 rounding, not bit for bit.
+
+`pack_linears` changes the class of a model's CPU bf16 and fp32 `nn.Linear` modules in place, so
 parameters, names and `state_dict` stay as they were; the packed copy is a plain attribute (the
 linear weights are held twice).
 `packing(model, False)` switches back to the plain path (the reference), e.g. to run stock
@@ -26,8 +33,12 @@ import torch.nn.functional as F
 MAX_PACKED_ROWS = 128
 
 
+PACKED_DTYPES = (torch.bfloat16, torch.float32)
+
+
 def packing_available() -> bool:
-    """True when this torch build has oneDNN's weight re-blocking for bf16 (CPU builds with mkldnn)."""
+    """True when this torch build has oneDNN's weight re-blocking for bf16 (CPU builds with mkldnn).
+    fp32 packing needs nothing of the build."""
     try:
         return torch.backends.mkldnn.is_available() and callable(torch.ops.mkldnn._reorder_linear_weight)
     except (AttributeError, RuntimeError):
@@ -36,15 +47,18 @@ def packing_available() -> bool:
 
 def _packable(module: nn.Module) -> bool:
     w = getattr(module, "weight", None)
-    return (type(module) is nn.Linear and w is not None and w.dtype == torch.bfloat16
-            and w.device.type == "cpu")
+    return (type(module) is nn.Linear and w is not None and w.device.type == "cpu"
+            and (w.dtype == torch.float32 or (w.dtype == torch.bfloat16 and packing_available())))
 
 
 BATCH_HINT = 16   # the rows oneDNN blocks a packed weight for
 
 
 def pack_weight(w: torch.Tensor, batch_hint: int = BATCH_HINT) -> torch.Tensor:
-    """w [out, in] re-blocked once for oneDNN's bf16 kernel (an opaque tensor)."""
+    """w [out, in] re-blocked once: for oneDNN's bf16 kernel (an opaque tensor), or in fp32 as a
+    column-major copy (an [out, in] view of a contiguous [in, out] tensor) for MKL's "N, N" sgemm."""
+    if w.dtype == torch.float32:
+        return w.detach().t().contiguous().t()
     return torch.ops.mkldnn._reorder_linear_weight(w.detach(), batch_hint)
 
 
@@ -52,6 +66,9 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
                   pair_single: bool = False) -> torch.Tensor:
     """F.linear on a weight made by pack_weight. `pair_single` (row_behaviour's `single_differs`):
     a lone row runs as two copies of itself, so it gets the bits it would get among other rows."""
+    if packed.dtype == torch.float32:       # x @ the contiguous [in, out] tensor: MKL's "N, N" sgemm
+        y = torch.matmul(x, packed.t())
+        return y if bias is None else y.add_(bias)
     if pair_single and x.numel() == x.shape[-1]:
         two = x.reshape(1, -1).repeat(2, 1)
         out = torch.ops.mkldnn._linear_pointwise(two, packed, bias, "none", [None], "")
@@ -81,10 +98,10 @@ def row_behaviour(packed: torch.Tensor, bias: torch.Tensor | None = None) -> Row
     and among others, as many as make ~128k outputs (17 at least, 128 at most: 128 for a 576-wide
     projection), since a kernel that rounds otherwise shows in ~1 of 10,000 outputs."""
     out_features, in_features = packed.shape
-    key = (out_features, in_features, bias is not None, torch.get_num_threads())
+    key = (out_features, in_features, packed.dtype, bias is not None, torch.get_num_threads())
     if key not in _behaviours:
         rows = min(MAX_PACKED_ROWS, max(17, -(-_PROBE_OUTPUTS // out_features)))
-        x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(0)).bfloat16()
+        x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(0)).to(packed.dtype)
         whole = packed_linear(x, packed, bias)
         alone = torch.cat([packed_linear(x[i:i + 1], packed, bias) for i in range(rows)])
         agree = all(torch.equal(packed_linear(x[:m], packed, bias), whole[:m]) for m in _PROBE_ROWS if m < rows)
@@ -97,8 +114,15 @@ def weight_key(w: torch.Tensor) -> tuple[int, int]:
     return w.data_ptr(), (-1 if w.is_inference() else w._version)
 
 
+def pairs_single(packed: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
+    """Whether a lone row should run as two (`packed_linear`'s `pair_single`): for bf16 products
+    whose lone-row kernel rounds otherwise. Never for fp32: without the bf16 attention kernel
+    verifies and steps part anyway (target.exact_steps), and a 49k-wide row pair costs 1.8x one."""
+    return packed.dtype == torch.bfloat16 and row_behaviour(packed, bias).single_differs
+
+
 class PackedLinear(nn.Linear):
-    """An nn.Linear whose bf16 forward uses a weight re-blocked once for oneDNN.
+    """An nn.Linear whose bf16 or fp32 forward uses a weight re-blocked once (pack_weight).
 
     Never constructed directly: `pack_linears` re-classes existing modules. The packed copy is
     rebuilt when the weight is replaced or changed in place."""
@@ -109,7 +133,7 @@ class PackedLinear(nn.Linear):
         self._packed = pack_weight(self.weight, batch_hint)
         self._packed_key = weight_key(self.weight)
         self._batch_hint = batch_hint
-        self._pair_single = row_behaviour(self._packed, self.bias).single_differs
+        self._pair_single = pairs_single(self._packed, self.bias)
 
     def __getstate__(self):
         # the packed copy is an opaque oneDNN tensor (no storage to copy or pickle): drop it and
@@ -120,7 +144,7 @@ class PackedLinear(nn.Linear):
         return state
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        use = (self.packed_enabled and x.dtype == torch.bfloat16 and x.device.type == "cpu"
+        use = (self.packed_enabled and x.dtype == self.weight.dtype and x.device.type == "cpu"
                and not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))
                and x.numel() // max(x.shape[-1], 1) <= MAX_PACKED_ROWS)
         if not use:
@@ -131,11 +155,9 @@ class PackedLinear(nn.Linear):
 
 
 def pack_linears(model: nn.Module, batch_hint: int = BATCH_HINT) -> int:
-    """Re-class every CPU bf16 nn.Linear of `model` as a PackedLinear; returns how many.
+    """Re-class every CPU bf16 and fp32 nn.Linear of `model` as a PackedLinear; returns how many.
 
-    A no-op (0) where packing is unavailable or the model is not bf16 on CPU."""
-    if not packing_available():
-        return 0
+    A no-op (0) for other dtypes and devices, and for bf16 where oneDNN packing is unavailable."""
     n = 0
     for module in model.modules():
         if _packable(module):

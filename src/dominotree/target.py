@@ -20,6 +20,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 from .gqa_attention import stock_attention, use_gqa_attention, uses_gqa_attention
 from .lean_target import lean_for, transformers_forward
 from .lean_target import state_key as lean_state_key
+from .machine import default_dtype
 from .models import ModelNotFoundError, resolve_target
 from . import tree_attention
 from .packed import PackedLinear, is_packed, pack_linears, packing, row_behaviour
@@ -58,7 +59,7 @@ class TargetModel:
 
     @property
     def packed(self) -> bool:
-        """Whether the linear layers run on pre-packed bf16 weights (see packed.py)."""
+        """Whether the linear layers run on pre-packed bf16 or fp32 weights (see packed.py)."""
         return is_packed(self.model)
 
     @property
@@ -287,17 +288,23 @@ def load_target(name_or_path: str = "smollm2-135m", dtype: str | torch.dtype | N
     """Load the embedded default (by name), any local HF causal-LM directory (offline), or a Hub id
     (owner/name: from the Hugging Face cache, else downloaded unless HF_HUB_OFFLINE is set).
 
+    `dtype` ("bf16", "fp32", "fp16" or a torch dtype): by default bf16, or fp32 on an x86 CPU
+    without bf16 hardware (machine.default_dtype); `target.dtype` says which.
     `pack` re-blocks bf16 linear weights on CPU once for oneDNN (packed.py): the same logits,
-    faster steps; a no-op for other dtypes and devices. `pack=False` keeps the plain modules.
+    faster steps; fp32 weights get a column-major copy for MKL (the logits up to fp32 rounding);
+    a no-op for other dtypes and devices. `pack=False` keeps the plain modules.
     `gqa` runs a CPU model with grouped key/value heads on the packed GQA attention
     (gqa_attention.py): the same logits, faster steps; `gqa=False` keeps transformers' `sdpa`.
     `lean` steps a packed Llama or Qwen3 model on its weights directly (lean_target.py): the same
     logits, plain decoding ~1.3x faster; `lean=False` keeps transformers' forward."""
     path = resolve_target(name_or_path)
     if isinstance(dtype, str):
+        if dtype not in DTYPES:
+            raise ValueError(f"unknown dtype {dtype!r}; choose from {', '.join(DTYPES)}")
         dtype = DTYPES[dtype]
-    # bf16 by default: on CPU it verifies many tokens more cheaply than fp32 (DESIGN.md).
-    dtype = dtype or torch.bfloat16
+    # bf16 by default, where it verifies many tokens more cheaply than fp32; fp32 on x86 CPUs
+    # without bf16 hardware, where bf16 products are converted to fp32 (machine.default_dtype).
+    dtype = dtype or default_dtype(device)
     logging.getLogger("transformers").setLevel(logging.ERROR)
     from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar()

@@ -50,7 +50,7 @@ def add_bench_parser(sub) -> None:
     b.add_argument("--budget", type=int, default=16, help="tree budget unless a method spec sets one")
     b.add_argument("--out", default=None, help="output directory")
     b.add_argument("--model", default="smollm2-135m", help="named target, local HF model dir or Hub id (owner/name)")
-    b.add_argument("--dtype", default=None, choices=["bf16", "fp32", "fp16"], help="target dtype (default bf16)")
+    b.add_argument("--dtype", default=None, choices=["bf16", "fp32", "fp16"], help="target dtype (default: bf16, or fp32 on an x86 CPU without bf16 hardware)")
     b.add_argument("--no-pack", action="store_true", help="plain transformers linears for every method (no pre-packed bf16 weights)")
     b.add_argument("--no-gqa", action="store_true", help="transformers' sdpa attention for every method (not the packed GQA one)")
     b.add_argument("--dflash-drafter", default=DEFAULT_DRAFTERS["dflash"], help="for dflash, ddtree, caddtree")

@@ -39,11 +39,16 @@ def load_checkpoint(path: Path, dtype: torch.dtype | None = None, name: str | No
     _load_state(drafter, state, path / "model.safetensors")
     if dtype is not None:
         drafter.to(dtype=dtype)
-    if pack:   # bf16 on CPU only; the same logits
-        pack_linears(drafter.backbone)
-        if hasattr(drafter, "head"):
-            pack_linears(drafter.head)
+    if pack:
+        pack_drafter(drafter)
     return drafter
+
+
+def pack_drafter(drafter) -> None:
+    """Pre-pack a drafter's CPU bf16 and fp32 linears (packed.py); a no-op elsewhere."""
+    pack_linears(drafter.backbone)
+    if hasattr(drafter, "head"):
+        pack_linears(drafter.head)
 
 
 def read_raw_config(path: Path) -> dict:

@@ -4,11 +4,12 @@ At the 16 rows of a draft block, most of a draft layer's time on CPU is per-call
 linear calls, four RMSNorms of eight small ops each, rotary angles recomputed per call, and the
 nn.Module calls around them. `LeanBackbone` keeps, per layer, one oneDNN-packed product for
 q/k/v (k/v alone for new context rows) and one for gate/up, and takes rotary cos/sin from a table.
-Every row and column is computed by the same packed bf16 kernel as in DFlashBackbone, so a
-draft's hidden states are bit-identical to the module path (tests/test_lean.py); on the
+Every row and column is computed by the same packed kernel as in DFlashBackbone, so a draft's
+hidden states are bit-identical to the module path in bf16 (in fp32 up to MKL's rounding of the
+fused products; tests/test_lean.py); on the
 embedded drafter a round's draft and context update take ~0.9 ms less (docs/RESULTS.md).
 
-It serves only what it reproduces exactly: bf16 backbones whose linears are packed and enabled
+It serves only what it reproduces: bf16 or fp32 backbones whose linears are packed and enabled
 (packed.py), no anchor fusion, at most MAX_PACKED_ROWS rows per call. Anything else, and the
 training, keeps DFlashBackbone's forward, which stays the reference.
 """
@@ -18,8 +19,8 @@ import torch
 import torch.nn.functional as F
 
 from ..gqa_attention import grouped_sdpa
-from ..packed import (MAX_PACKED_ROWS, PackedLinear, kept_or_new, lean_off, pack_weight, packed_linear,
-                       weight_key)
+from ..packed import (MAX_PACKED_ROWS, PACKED_DTYPES, PackedLinear, kept_or_new, lean_off, pack_weight,
+                       packed_linear, weight_key)
 from .dflash import DFlashBackbone, apply_rope, rms_norm, rope_cos_sin
 
 
@@ -35,9 +36,9 @@ def state_key(backbone: DFlashBackbone) -> tuple | None:
     """What a LeanBackbone is built from (None: the backbone cannot take the lean path)."""
     c = backbone.config
     linears = _linears(backbone)
-    if c.anchor_fusion or c.block_size > MAX_PACKED_ROWS or not linears or not all(
-            type(m) is PackedLinear and m.packed_enabled and m.weight.dtype == torch.bfloat16
-            and m.weight.device.type == "cpu" for m in linears):
+    dtypes = {m.weight.dtype for m in linears}
+    if c.anchor_fusion or c.block_size > MAX_PACKED_ROWS or len(dtypes) != 1 or not dtypes <= set(PACKED_DTYPES) \
+            or not all(type(m) is PackedLinear and m.packed_enabled and m.weight.device.type == "cpu" for m in linears):
         return None
     return tuple(weight_key(p) for p in backbone.parameters())
 

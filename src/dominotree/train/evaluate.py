@@ -107,7 +107,8 @@ def main(args, target=None) -> int:
     from ..bench.runner import load_prompts, select_per_dataset
     from ..config import output_file
     out = output_file(args.out, "--out") if args.out else None     # not after the whole evaluation
-    target = target or dt.load_target(args.model)
+    # bf16, as the drafters were trained and every reported tau was measured, on every CPU
+    target = target or dt.load_target(args.model, dtype="bf16")
     args.prompts_file = getattr(args, "prompts_file", None)
     if getattr(args, "training_prompts", None):
         prompts = select_per_dataset(training_prompt_slice(args.training_prompts), args.max_samples)

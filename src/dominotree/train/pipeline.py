@@ -180,7 +180,7 @@ def add_train_parser(sub) -> None:
 
 def _target(args):
     import dominotree as dt
-    return dt.load_target(args.model)
+    return dt.load_target(args.model, dtype="bf16")    # the data is written in bf16 on every CPU
 
 
 def run_data(args, target=None):
