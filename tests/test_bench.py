@@ -79,6 +79,7 @@ def test_full_run_writes_files_passes_equality_and_report_only_reproduces(bench_
     if info["exact_steps"]:     # a bf16 target on the kernel: our methods give ar's tokens bit for bit
         assert all(r["equality"]["match"] == "exact" for r in recs
                    if r["temperature"] == 0 and r["base_method"] not in ("ar", "hf-ar", "hf-prompt-lookup"))
+    assert info["dtype"] == "float32" and "- dtype: `float32`" in md      # the tiny target's, as loaded
     machine = info["machine"]      # speedups depend on the CPU
     assert machine["cores"] >= 1 and machine["torch_threads"] >= 1 and f"- machine: {describe(machine)}" in md
 

@@ -265,3 +265,27 @@ def test_w2_bound_is_an_upper_bound(k):
         assert (gap >= -1e-4 * (1 + exact.abs())).all()
     if k == 12 or k == 16:                             # the full basis: the bound is exact
         assert gap.abs().max() < 1e-3
+
+
+def test_default_dtypes_follow_the_machine_and_the_target(tmp_path, tiny_llama_dir, monkeypatch):
+    """Unless told, a target loads in machine.default_dtype (fp32 on a CPU without bf16 hardware)
+    and a drafter in its target's dtype (without a target: its checkpoint's, upcast to fp32 on
+    such a CPU); an unknown dtype name is a clear error."""
+    import dominotree.drafters as drafters
+    import dominotree.target as target_module
+    from dominotree.drafters import save_checkpoint
+    save_checkpoint(random_drafter(domino=True, seed=5), tmp_path / "d", dtype=torch.bfloat16)
+    for machine_dtype in (torch.bfloat16, torch.float32):
+        monkeypatch.setattr(target_module, "default_dtype", lambda device="cpu", d=machine_dtype: d)
+        monkeypatch.setattr(drafters, "default_dtype", lambda device="cpu", d=machine_dtype: d)
+        target = dt.load_target(str(tiny_llama_dir))
+        assert target.dtype == machine_dtype and target.packed
+        assert dt.load_drafter(str(tmp_path / "d"), target=target).dtype == machine_dtype
+        assert dt.load_drafter(str(tmp_path / "d")).dtype == machine_dtype
+        assert dt.load_drafter(str(tmp_path / "d"), dtype="bf16").dtype == torch.bfloat16
+    fp32_target = dt.load_target(str(tiny_llama_dir), dtype="fp32")
+    assert dt.load_drafter(str(tmp_path / "d"), target=fp32_target).dtype == torch.float32
+    with pytest.raises(ValueError, match="unknown dtype 'int8'"):
+        dt.load_target(str(tiny_llama_dir), dtype="int8")
+    with pytest.raises(ValueError, match="unknown dtype"):
+        dt.load_drafter(str(tmp_path / "d"), dtype="half-ish")

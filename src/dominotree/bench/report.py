@@ -93,7 +93,7 @@ def _p(x) -> str:
 def markdown(rows: list[dict], records: list[dict], info: dict) -> str:
     ref = reference_method(_labels(records), info.get("reference"))
     lines = ["# dominotree bench", "", "Command (every option explicit):", "", f"    {info.get('command', '?')}", ""]
-    for k in ("model", "dflash_drafter", "domino_drafter", "cost_model"):
+    for k in ("model", "dtype", "dflash_drafter", "domino_drafter", "cost_model"):
         if info.get(k):
             lines.append(f"- {k.replace('_', ' ')}: `{info[k]}`")
     if info.get("machine"):

@@ -107,7 +107,8 @@ def main(args) -> int:
     names = {"dflash": args.dflash_drafter, "domino": args.domino_drafter}
     drafters = {k: dt.load_drafter(names[k], target=target, pack=not args.no_pack) for k in dict.fromkeys(s.drafter for s in specs) if k}
     cost_model = ensure_cost_model(args, target, drafters, specs, out)
-    info = {"command": command_line(args), "model": args.model, "packed": target.packed,
+    info = {"command": command_line(args), "model": args.model, "dtype": str(target.dtype).removeprefix("torch."),
+            "packed": target.packed,
             "gqa_attention": target.gqa_attention, "lean_target": target.lean, "tree_attention": tree_attention_status(),
             "exact_steps": target.exact_steps,
             "lean_drafters": sorted(k for k, d in drafters.items() if d.lean() is not None),
