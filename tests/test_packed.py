@@ -225,3 +225,20 @@ def test_row_behaviour_reports_what_fresh_rows_show(shape):
     whole = torch.cat([packed_linear(x[i:i + 128], packed) for i in (0, 128)])
     alone = torch.cat([packed_linear(x[i:i + 1], packed) for i in range(256)])
     assert torch.equal(alone, whole) != behaviour.single_differs
+
+
+def test_lone_rows_pair_only_where_exact_steps_can_hold(monkeypatch):
+    """Pairing costs a second row; it buys exact steps, which need the bf16 attention kernel
+    (avx512_bf16). fp32, or bf16 on a CPU without that instruction: lone rows run alone."""
+    import dominotree.packed as packed_module
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(576, 1536, generator=g) / 1536 ** 0.5
+    bf16 = pack_weight(w.bfloat16())
+    monkeypatch.setattr(packed_module, "cpu_facts", lambda: ("a CPU", {"avx512f", "avx512_bf16"}))
+    assert packed_module.pairs_single(bf16) == row_behaviour(bf16).single_differs
+    assert not packed_module.pairs_single(pack_weight(w))
+    monkeypatch.setattr(packed_module, "cpu_facts", lambda: ("Ice Lake", {"avx512f", "avx512_vnni"}))
+    assert not packed_module.pairs_single(bf16)
+    lin = nn.Linear(1536, 576, bias=False).to(torch.bfloat16)
+    pack_linears(lin)
+    assert lin._pair_single is False

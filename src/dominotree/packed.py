@@ -29,6 +29,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .machine import cpu_facts
+
 # Above this many rows the plain path is as fast or faster (prefill, batched data generation).
 MAX_PACKED_ROWS = 128
 
@@ -116,9 +118,11 @@ def weight_key(w: torch.Tensor) -> tuple[int, int]:
 
 def pairs_single(packed: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
     """Whether a lone row should run as two (`packed_linear`'s `pair_single`): for bf16 products
-    whose lone-row kernel rounds otherwise. Never for fp32: without the bf16 attention kernel
-    verifies and steps part anyway (target.exact_steps), and a 49k-wide row pair costs 1.8x one."""
-    return packed.dtype == torch.bfloat16 and row_behaviour(packed, bias).single_differs
+    whose lone-row kernel rounds otherwise, on a CPU that can run the bf16 attention kernel
+    (avx512_bf16), without which verifies and steps part anyway (target.exact_steps). Never for
+    fp32: there too the kernel is missing, and a 49k-wide row pair costs 1.8x one."""
+    return (packed.dtype == torch.bfloat16 and "avx512_bf16" in cpu_facts()[1]
+            and row_behaviour(packed, bias).single_differs)
 
 
 class PackedLinear(nn.Linear):
