@@ -62,9 +62,11 @@ def test_packed_linear_matches_plain(rows, dtype):
         _close(out, ref(x))
 
 
-def test_fp32_weight_packs_as_a_column_major_copy():
-    """The fp32 copy is an [out, in] view of a contiguous [in, out] tensor, so MKL gets its "N, N"
-    product (the one that is fast for a verify's rows); the weight itself is left as it was."""
+def test_fp32_weight_packs_as_a_column_major_copy(monkeypatch):
+    """Without the fp32 kernel (test_fp32_linear.py) the copy is an [out, in] view of a contiguous
+    [in, out] tensor, so MKL gets its "N, N" product (the one that is fast for a verify's rows); the
+    weight itself is left as it was."""
+    monkeypatch.setenv("DOMINOTREE_FP32_LINEAR", "0")
     torch.manual_seed(0)
     w, b = torch.randn(48, 32), torch.randn(48)
     packed = pack_weight(w)

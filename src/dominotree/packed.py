@@ -29,6 +29,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from . import fp32_linear
 from .machine import cpu_facts
 
 # Above this many rows the plain path is as fast or faster (prefill, batched data generation).
@@ -60,6 +61,8 @@ def pack_weight(w: torch.Tensor, batch_hint: int = BATCH_HINT) -> torch.Tensor:
     """w [out, in] re-blocked once: for oneDNN's bf16 kernel (an opaque tensor), or in fp32 as a
     column-major copy (an [out, in] view of a contiguous [in, out] tensor) for MKL's "N, N" sgemm."""
     if w.dtype == torch.float32:
+        if fp32_linear.available():
+            return fp32_linear.pack(w)
         return w.detach().t().contiguous().t()
     return torch.ops.mkldnn._reorder_linear_weight(w.detach(), batch_hint)
 
@@ -68,6 +71,8 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
                   pair_single: bool = False) -> torch.Tensor:
     """F.linear on a weight made by pack_weight. `pair_single` (row_behaviour's `single_differs`):
     a lone row runs as two copies of itself, so it gets the bits it would get among other rows."""
+    if isinstance(packed, fp32_linear.Blocked):
+        return fp32_linear.linear(x, packed, bias)
     if packed.dtype == torch.float32:       # x @ the contiguous [in, out] tensor: MKL's "N, N" sgemm
         y = torch.matmul(x, packed.t())
         return y if bias is None else y.add_(bias)
