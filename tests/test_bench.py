@@ -11,6 +11,7 @@ import dominotree.engine
 import dominotree.bench.equality as equality
 from dominotree.bench.equality import first_divergence
 from dominotree.bench.methods import PRESETS, expand_methods, parse_method
+from dominotree import fp32_linear
 from dominotree.bench.metrics import bootstrap_ci, paired_ratio_ci, wilcoxon_p
 from dominotree.cli import main as cli_main
 from dominotree.drafters import save_checkpoint
@@ -80,6 +81,7 @@ def test_full_run_writes_files_passes_equality_and_report_only_reproduces(bench_
         assert all(r["equality"]["match"] == "exact" for r in recs
                    if r["temperature"] == 0 and r["base_method"] not in ("ar", "hf-ar", "hf-prompt-lookup"))
     assert info["dtype"] == "float32" and "- dtype: `float32`" in md      # the tiny target's, as loaded
+    assert info["fp32_linear"] == fp32_linear.status() and info["fp32_linear"].startswith(("on", "off ("))
     machine = info["machine"]      # speedups depend on the CPU
     assert machine["cores"] >= 1 and machine["torch_threads"] >= 1 and f"- machine: {describe(machine)}" in md
 

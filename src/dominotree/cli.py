@@ -126,7 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--model", default="smollm2-135m", help="named target, local HF model dir or Hub id (owner/name)")
         sp.add_argument("--drafter", default=drafter_default, help="bundled drafter name, checkpoint dir or Hub id")
         sp.add_argument("--dtype", default=None, choices=["bf16", "fp32", "fp16"], help="target dtype (default: bf16, or fp32 on an x86 CPU without bf16 hardware)")
-        sp.add_argument("--no-pack", action="store_true", help="plain transformers linears (no pre-packed bf16 weights)")
+        sp.add_argument("--no-pack", action="store_true", help="plain transformers linears (no pre-packed weights)")
         sp.add_argument("--no-gqa", action="store_true", help="transformers' sdpa attention (not the packed GQA one)")
         sp.add_argument("--no-lean-target", action="store_true",
                         help="step the target on transformers' forward (not the lean path)")

@@ -68,6 +68,15 @@ def available() -> bool:
     return wanted() and _load() is not None
 
 
+def status() -> str:
+    """"on", or "off (<why>)", for a benchmark's run.json."""
+    if available():
+        return "on"
+    if _state["error"]:
+        return f"off ({_state['error']})"
+    return "off (switched off)" if "avx512f" in cpu_facts()[1] else "off (needs AVX-512F)"
+
+
 def pack(w: torch.Tensor) -> Blocked:
     """w [out, in] fp32 on CPU -> its blocks, in bf16 where that loses nothing."""
     w = w.detach()

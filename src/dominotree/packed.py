@@ -9,10 +9,12 @@ copy is gone.
 fp32 goes to MKL, whose `F.linear` (x @ W^T, a "T, N" sgemm) is slow for the 4-128 rows of a tree
 verify on the CPUs measured: a 16-row product of SmolLM2's 576x576 projection took 0.31 ms against
 0.06 ms for the same product on a column-major copy of W (a "N, N" sgemm), 5x (docs/RESULTS.md,
-"fp32 on CPUs without native bf16"). An fp32 weight is therefore packed as that copy: an [out, in]
-view of a contiguous [in, out] tensor, multiplied as it lies. Its rounding differs
-from the plain path's by an fp32 step at most (the sums are blocked otherwise), so fp32 logits are
-transformers' up to fp32 rounding, not bit for bit.
+"fp32 on CPUs without native bf16"). An fp32 weight is therefore packed for fp32_linear.py's
+kernel where the CPU has AVX-512F (blocks of 16 outputs, bf16-stored where exact, a row's bits
+independent of the rows around it), else as that column-major copy (an [out, in] view of a
+contiguous [in, out] tensor, multiplied as it lies). Either rounds otherwise than the plain path
+(the sums are blocked otherwise), so fp32 logits are transformers' up to fp32 rounding, not bit
+for bit.
 
 `pack_linears` changes the class of a model's CPU bf16 and fp32 `nn.Linear` modules in place, so
 parameters, names and `state_dict` stay as they were; the packed copy is a plain attribute (the

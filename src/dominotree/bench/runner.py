@@ -14,8 +14,11 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+
 from ..config import output_dir
 from ..drafters.lean import module_path
+from ..fp32_linear import status as fp32_linear_status
 from ..gqa_attention import stock_attention
 from ..lean_target import transformers_forward
 from ..tree_attention import reference_attention, status as tree_attention_status
@@ -51,7 +54,7 @@ def add_bench_parser(sub) -> None:
     b.add_argument("--out", default=None, help="output directory")
     b.add_argument("--model", default="smollm2-135m", help="named target, local HF model dir or Hub id (owner/name)")
     b.add_argument("--dtype", default=None, choices=["bf16", "fp32", "fp16"], help="target dtype (default: bf16, or fp32 on an x86 CPU without bf16 hardware)")
-    b.add_argument("--no-pack", action="store_true", help="plain transformers linears for every method (no pre-packed bf16 weights)")
+    b.add_argument("--no-pack", action="store_true", help="plain transformers linears for every method (no pre-packed weights)")
     b.add_argument("--no-gqa", action="store_true", help="transformers' sdpa attention for every method (not the packed GQA one)")
     b.add_argument("--dflash-drafter", default=DEFAULT_DRAFTERS["dflash"], help="for dflash, ddtree, caddtree")
     b.add_argument("--domino-drafter", default=DEFAULT_DRAFTERS["domino"], help="for domino, dominotree, condadaptive")
@@ -111,6 +114,7 @@ def main(args) -> int:
             "packed": target.packed,
             "gqa_attention": target.gqa_attention, "lean_target": target.lean, "tree_attention": tree_attention_status(),
             "exact_steps": target.exact_steps,
+            "fp32_linear": fp32_linear_status() if target.dtype == torch.float32 else None,
             "lean_drafters": sorted(k for k, d in drafters.items() if d.lean() is not None),
             "tree_builder": native_status() if "domino" in drafters else None,
             "cost_model": cost_model, "tie_tol": args.tie_tol, "reference": args.reference, "machine": machine_info(),
