@@ -90,3 +90,16 @@ def test_the_switch_keeps_the_mkl_copy(monkeypatch):
     assert not isinstance(packed, fp32_linear.Blocked) and packed.t().is_contiguous()
     x = torch.randn(2, 32)
     torch.testing.assert_close(packed_linear(x, packed), F.linear(x, _weight(48, 32)), rtol=1e-5, atol=1e-5)
+
+
+def test_the_kernel_runs_on_torchs_threads():
+    """at::parallel_for is serial in an extension built without OpenMP (the kernel then used one core
+    of two: half the speed of a verify's products)."""
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert fp32_linear._load().parallel_threads(64) == 2
+        torch.set_num_threads(1)
+        assert fp32_linear._load().parallel_threads(64) == 1
+    finally:
+        torch.set_num_threads(threads)

@@ -12,6 +12,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 
 namespace {
@@ -111,7 +112,15 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor blocks, int64_t N) {
   return y;
 }
 
+// How many threads at::parallel_for ran `items` items on: it is serial where the build lacks OpenMP.
+int64_t parallel_threads(int64_t items) {
+  std::atomic<uint64_t> seen{0};
+  at::parallel_for(0, items, 1, [&](int64_t, int64_t) { seen |= uint64_t(1) << (at::get_thread_num() % 64); });
+  return __builtin_popcountll(seen.load());
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack", &pack, "weight [N, K] -> blocks [ceil(N / 16), K, 16]");
   m.def("linear", &linear, "x [M, K] fp32 @ blocks^T -> [M, N] fp32");
+  m.def("parallel_threads", &parallel_threads, "threads a parallel_for of `items` items ran on");
 }

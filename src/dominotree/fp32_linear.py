@@ -27,7 +27,7 @@ from .extensions import compile_extension, failure_reason
 from .machine import cpu_facts
 
 SOURCE = Path(__file__).with_name("fp32_linear.cpp")
-FLAGS = ["-O3", "-mavx512f", "-mfma"]
+FLAGS = ["-O3", "-mavx512f", "-mfma", "-fopenmp"]   # -fopenmp: at::parallel_for is serial without it
 _state: dict = {"module": None, "error": None, "tried": False}
 
 
@@ -54,7 +54,8 @@ def _load():
     if not _state["tried"]:
         _state["tried"] = True
         try:
-            _state["module"] = compile_extension("dominotree_fp32_linear", "fp32_linear", [SOURCE], cflags=FLAGS)
+            _state["module"] = compile_extension("dominotree_fp32_linear", "fp32_linear", [SOURCE], cflags=FLAGS,
+                                                 ldflags=["-fopenmp"])
         except Exception as exc:   # no compiler or ninja: the column-major MKL copy runs
             _state["error"] = failure_reason(exc)
             warnings.warn(f"dominotree: the fp32 linear kernel is unavailable ({_state['error']}); "
