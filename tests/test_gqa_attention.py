@@ -22,11 +22,13 @@ def pairs(tiny_llama_dir):
 
 @pytest.fixture
 def calls(monkeypatch):
-    """The query shape of every SDPA call: [1, 2, ...] packed (2 key/value heads), [1, 4, ...] not."""
+    """The query shape of every SDPA call: [1, 2, ...] packed (2 key/value heads), [1, 4, ...] not
+    (with the tree-attention kernel off: it would take the packed steps)."""
     seen = []
     real = gqa.F.scaled_dot_product_attention
     monkeypatch.setattr(gqa.F, "scaled_dot_product_attention", lambda *a, **k: seen.append(a[0].shape) or real(*a, **k))
-    return seen
+    with tree_attention.reference_attention():
+        yield seen
 
 
 def _same(a, b, dtype):
@@ -103,7 +105,8 @@ def test_a_wrong_head_grouping_is_caught(pairs, monkeypatch):
         q = q.view(B, Hk, 2, rows // 2, D).transpose(2, 3).reshape(B, Hk, rows, D)
         return real(q, k, v, **kw)
     monkeypatch.setattr(gqa.F, "scaled_dot_product_attention", wrong)
-    assert (verify(packed) - ref).abs().max() > 1e-2
+    with tree_attention.reference_attention():      # the grouping SDPA sees (the kernel's has its tests)
+        assert (verify(packed) - ref).abs().max() > 1e-2
 
 
 @pytest.mark.parametrize("method", ["ar", "ddtree", "dominotree"])

@@ -102,8 +102,12 @@ def test_misuse_is_rejected(tiny_target):
         target.set_taps([99])
 
 
-needs_kernel = pytest.mark.skipif("avx512_bf16" not in __import__("dominotree.tree_attention").tree_attention.cpu_flags(),
-                                  reason="the CPU has no avx512_bf16 (no tree-attention kernel)")
+def kernel_cpu(dtype) -> bool:
+    from dominotree import tree_attention as ta
+    return ta.cpu_runs(dtype)
+
+
+needs_kernel = pytest.mark.skipif(not kernel_cpu(torch.bfloat16), reason="the CPU has no avx512_bf16 (no tree-attention kernel)")
 
 
 def stepped_logits(target, prefix, path_tokens):
@@ -115,12 +119,15 @@ def stepped_logits(target, prefix, path_tokens):
     return logits
 
 
-@needs_kernel
-def test_exact_steps_every_verify_row_is_the_step_of_its_token(tiny_llama_dir):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_exact_steps_every_verify_row_is_the_step_of_its_token(tiny_llama_dir, dtype):
     """Bit for bit, for random trees over random contexts: a node's verify logits are the logits a
-    one-token step gives once the node's path is in the cache (plain decoding's numbers)."""
+    one-token step gives once the node's path is in the cache (plain decoding's numbers); in bf16
+    on AVX-512 BF16 CPUs, in fp32 (the fp32 linear and attention kernels) on AVX-512F ones."""
     import dominotree as dt
-    target = dt.load_target(str(tiny_llama_dir), dtype=torch.bfloat16)
+    if not kernel_cpu(dtype):
+        pytest.skip(f"no {dtype} tree-attention kernel on this CPU")
+    target = dt.load_target(str(tiny_llama_dir), dtype=dtype)
     if not target.exact_steps:
         pytest.skip("the tree-attention kernel did not build here")
     g = torch.Generator().manual_seed(5)
@@ -138,6 +145,21 @@ def test_exact_steps_every_verify_row_is_the_step_of_its_token(tiny_llama_dir):
             assert torch.equal(out[i], ref), (trial, i)
 
 
+@pytest.mark.skipif(not kernel_cpu(torch.float32), reason="the CPU has no avx512f")
+def test_fp32_exact_steps_need_both_kernels(tiny_llama_dir, monkeypatch):
+    import dominotree as dt
+    import dominotree.tree_attention as ta
+    from dominotree import fp32_linear
+    target = dt.load_target(str(tiny_llama_dir), dtype=torch.float32)
+    if not (ta.enabled(torch.float32) and fp32_linear.available()):
+        pytest.skip("a kernel did not build here")
+    assert target.exact_steps
+    with ta.reference_attention():                  # SDPA
+        assert not target.exact_steps
+    monkeypatch.setenv("DOMINOTREE_FP32_LINEAR", "0")   # MKL's copy: lone rows round otherwise
+    assert not dt.load_target(str(tiny_llama_dir), dtype=torch.float32).exact_steps
+
+
 @needs_kernel
 def test_exact_steps_says_when_it_holds(tiny_llama_dir):
     import dominotree as dt
@@ -150,5 +172,5 @@ def test_exact_steps_says_when_it_holds(tiny_llama_dir):
         assert not target.exact_steps
     target.use_lean = False                         # transformers' forward
     assert not target.exact_steps
-    assert not dt.load_target(str(tiny_llama_dir), dtype=torch.float32).exact_steps
+    assert not dt.load_target(str(tiny_llama_dir), dtype=torch.float16).exact_steps
     assert not dt.load_target(str(tiny_llama_dir), dtype=torch.bfloat16, pack=False).exact_steps

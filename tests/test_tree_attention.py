@@ -1,6 +1,6 @@
-"""The bf16 tree-attention kernel: SDPA's accuracy against float64, rows computed on their own and
-bit-identical to one-token steps over the keys they see, masked keys ignored exactly, used by tree
-verifies and one-token steps, lossless decoding, a clear switch."""
+"""The tree-attention kernels (bf16, and fp32 on any AVX-512F CPU): SDPA's accuracy against float64,
+rows computed on their own and bit-identical to one-token steps over the keys they see, masked keys
+ignored exactly, used by tree verifies and one-token steps, lossless decoding, a clear switch."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -12,6 +12,7 @@ from dominotree.gqa_attention import grouped_sdpa
 from dominotree.trees.tree import DraftTree
 
 needs_kernel = pytest.mark.skipif("avx512_bf16" not in ta.cpu_flags(), reason="the CPU has no avx512_bf16")
+needs_fp32_kernel = pytest.mark.skipif("avx512f" not in ta.cpu_flags(), reason="the CPU has no avx512f")
 MIN = torch.finfo(torch.bfloat16).min
 
 
@@ -23,17 +24,25 @@ def kernel():
         yield ta._state["module"]
 
 
+@pytest.fixture
+def kernel32():
+    with ta.kernel_attention():
+        if not ta.enabled(torch.float32):
+            pytest.skip(f"the kernel did not build: {ta.status(torch.float32)}")
+        yield ta._state["module"]
+
+
 def tree_mask(rows: int, keys: int, seed: int, dtype=torch.bfloat16) -> torch.Tensor:
-    """An additive mask [1, 1, rows, keys]: a random tree's ancestors over a fully visible context."""
+    """An additive mask [1, 1, rows, keys]: random visible keys (the first always) per row."""
     g = torch.Generator().manual_seed(seed)
     allowed = torch.rand(rows, keys, generator=g) > 0.4
     allowed[:, 0] = True                      # every row sees the first context token
-    return torch.zeros(1, 1, rows, keys, dtype=dtype).masked_fill_(~allowed, MIN)
+    return torch.zeros(1, 1, rows, keys, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)
 
 
-def qkv(heads, rows, keys, d, seed):
+def qkv(heads, rows, keys, d, seed, dtype=torch.bfloat16):
     g = torch.Generator().manual_seed(seed)
-    return [torch.randn(1, heads, n, d, generator=g).mul(s).bfloat16() for n, s in ((rows, 1.0), (keys, 2.0), (keys, 1.0))]
+    return [torch.randn(1, heads, n, d, generator=g).mul(s).to(dtype) for n, s in ((rows, 1.0), (keys, 2.0), (keys, 1.0))]
 
 
 def errors(q, k, v, mask, out):
@@ -110,18 +119,20 @@ def test_bad_calls_raise_instead_of_reading_out_of_bounds(kernel):
 
 
 def test_tree_verifies_and_one_token_steps_apply(monkeypatch):
-    monkeypatch.setattr(ta, "enabled", lambda: True)
+    monkeypatch.setattr(ta, "enabled", lambda dtype=torch.bfloat16: True)
     q, k, _ = qkv(2, 6, 30, 64, seed=13)
     mask = tree_mask(6, 30, seed=14)
     assert ta.applies(q, k, mask, 6)                                  # a tree verify
     assert ta.applies(q[:, :, :3], k, None, 1)                        # a one-token step (3 heads folded)
     assert not ta.applies(q, k, None, 6)                              # the drafter's unmasked blocks
     assert not ta.applies(q[:, :, :1], k, mask[:, :, :1], 1)          # a masked one-token block
-    assert not ta.applies(q.float(), k.float(), mask, 6)              # fp32 models keep SDPA
+    assert ta.applies(q.float(), k.float(), mask, 6)                  # fp32 models: the fp32 kernel
+    assert not ta.applies(q.half(), k.half(), mask, 6)                # no fp16 kernel
+    assert not ta.applies(q.float(), k, mask, 6)                      # mixed dtypes
     assert not ta.applies(q[..., :48], k[..., :48], mask, 6)          # a head size the kernel lacks
     assert not ta.applies(q, k, mask[:, :, :, :29], 6)                # a mask that does not fit
     assert not ta.applies(q, k, mask.bool(), 6)                       # a boolean mask
-    monkeypatch.setattr(ta, "enabled", lambda: False)
+    monkeypatch.setattr(ta, "enabled", lambda dtype=torch.bfloat16: False)
     assert not ta.applies(q, k, mask, 6)
     assert not ta.applies(q[:, :, :3], k, None, 1)
 
@@ -174,6 +185,15 @@ def test_the_cpu_and_the_environment_decide(monkeypatch):
     monkeypatch.setenv("DOMINOTREE_TREE_ATTENTION", "1")
     monkeypatch.setattr(ta, "cpu_flags", lambda: {"avx512f"})
     assert not ta.wanted()                       # the CPU cannot run it at all
+    monkeypatch.delenv("DOMINOTREE_TREE_ATTENTION")
+    assert ta.wanted(torch.float32)              # fp32: AVX-512F is enough, AMX or not
+    monkeypatch.setattr(ta, "cpu_flags", lambda: {"avx512f", "avx512_bf16", "amx_bf16"})
+    assert ta.wanted(torch.float32)
+    monkeypatch.setenv("DOMINOTREE_TREE_ATTENTION", "0")
+    assert not ta.wanted(torch.float32)
+    monkeypatch.setattr(ta, "cpu_flags", lambda: {"avx2"})
+    monkeypatch.setenv("DOMINOTREE_TREE_ATTENTION", "1")
+    assert not ta.wanted(torch.float32) and not ta.wanted(torch.float16)
 
 
 @needs_kernel
@@ -230,3 +250,97 @@ def test_verify_logits_match_the_reference_and_switching_leaves_no_state(kernel,
         ref = verify()
     assert ta.enabled() and torch.equal(verify(), a)        # back on after the block, the same logits
     torch.testing.assert_close(a, ref, rtol=0.05, atol=0.05)
+
+
+# ---- the fp32 kernel (models run in fp32 on CPUs without bf16 hardware) ----------------------
+
+@needs_fp32_kernel
+@pytest.mark.parametrize("d", ta.HEAD_SIZES)
+@pytest.mark.parametrize("rows,keys", [(2, 1), (3, 5), (8, 16), (9, 17), (17, 100), (72, 470)])
+def test_fp32_as_accurate_as_sdpa_against_float64(kernel32, d, rows, keys):
+    q, k, v = qkv(3, rows, keys, d, seed=rows * 1000 + keys + d, dtype=torch.float32)
+    mask = tree_mask(rows, keys, seed=keys, dtype=torch.float32)
+    out = ta.attention(q, k, v, mask)
+    assert out.shape == q.shape and out.dtype == torch.float32
+    ours, sdpa = errors(q, k, v, mask, out)
+    assert ours <= 2 * sdpa + 1e-5, (ours, sdpa)
+    # a bf16 mask is read as the fp32 one (a model in fp32 makes fp32 masks; others may not)
+    assert torch.equal(ta.attention(q, k, v, tree_mask(rows, keys, seed=keys)), out)
+
+
+@needs_fp32_kernel
+def test_fp32_negative_control_a_wrong_mask_is_far_off(kernel32):
+    q, k, v = qkv(3, 16, 200, 64, seed=5, dtype=torch.float32)
+    mask = tree_mask(16, 200, seed=6, dtype=torch.float32)
+    ours, sdpa = errors(q, k, v, mask, ta.attention(q, k, v, mask.flip(2)))
+    assert ours > 1000 * (2 * sdpa + 1e-5)
+
+
+@needs_fp32_kernel
+def test_fp32_rows_are_computed_on_their_own_and_masked_keys_change_nothing(kernel32):
+    q, k, v = qkv(3, 19, 130, 64, seed=7, dtype=torch.float32)
+    mask = tree_mask(19, 130, seed=8, dtype=torch.float32)
+    whole = ta.attention(q, k, v, mask)
+    for rows in ([0, 1], [5, 11, 18], list(range(9, 19))):
+        part = ta.attention(q[:, :, rows].contiguous(), k, v, mask[:, :, rows].contiguous())
+        assert torch.equal(part, whole[:, :, rows])
+    extra = torch.full((1, 3, 23, 64), 30.0)
+    k2, v2 = torch.cat([k, extra], 2), torch.cat([v, -extra], 2)
+    mask2 = torch.cat([mask, torch.full((1, 1, 19, 23), torch.finfo(torch.float32).min)], 3)
+    assert torch.equal(ta.attention(q, k2, v2, mask2), whole)
+
+
+@needs_fp32_kernel
+@pytest.mark.parametrize("d", ta.HEAD_SIZES)
+@pytest.mark.parametrize("context", [1, 15, 16, 47, 300])
+def test_fp32_a_tree_row_is_a_one_token_step_over_the_keys_it_sees(kernel32, d, context):
+    """Bit for bit, as for bf16: a node's row equals a one-token step over the context and its path."""
+    g = torch.Generator().manual_seed(context * 7 + d)
+    parents = [-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, 21)]
+    tree = DraftTree.from_lists(list(range(21)), parents)
+    n, groups = len(tree), 3
+    q, k, v = qkv(2, groups * n, context + n, d, seed=context + d, dtype=torch.float32)
+    allowed = torch.cat([torch.ones(n, context, dtype=torch.bool), tree.ancestor_mask()], 1).repeat(groups, 1)
+    mask = torch.zeros(1, 1, groups * n, context + n).masked_fill_(~allowed, torch.finfo(torch.float32).min)
+    out = ta.attention(q, k, v, mask)
+    for i in range(n):
+        keys = list(range(context)) + [context + a for a in tree.path(i)]
+        rows = [gi * n + i for gi in range(groups)]
+        step = ta.attention(q[:, :, rows].contiguous(), k[:, :, keys].contiguous(), v[:, :, keys].contiguous(), None)
+        assert torch.equal(step, out[:, :, rows]), (i, tree.path(i))
+    # negative control: SDPA's step is within rounding of the kernel's, not equal to it
+    keys = list(range(context)) + [context + a for a in tree.path(n - 1)]
+    rows = [gi * n + n - 1 for gi in range(groups)]
+    sdpa = F.scaled_dot_product_attention(q[:, :, rows], k[:, :, keys], v[:, :, keys])
+    if context >= 15:
+        assert not torch.equal(sdpa, out[:, :, rows]) and (sdpa - out[:, :, rows]).abs().max() < 1e-4
+
+
+@needs_fp32_kernel
+def test_fp32_bad_calls_raise(kernel32):
+    q, k, v = qkv(2, 4, 10, 64, seed=11, dtype=torch.float32)
+    mask = tree_mask(4, 10, seed=12)[0, 0]
+    with pytest.raises(RuntimeError, match="fp32 mask"):
+        kernel32.tree_attention(q[0], k[0], v[0], mask, 0.125)          # a bf16 mask reaches C++ only as fp32
+    with pytest.raises(RuntimeError, match="one dtype"):
+        kernel32.tree_attention(q[0], k[0].bfloat16(), v[0], mask.float(), 0.125)
+    with pytest.raises(RuntimeError, match="head size"):
+        kernel32.tree_attention(q[0, :, :, :48].contiguous(), k[0, :, :, :48].contiguous(),
+                                v[0, :, :, :48].contiguous(), mask.float(), 0.125)
+
+
+@needs_fp32_kernel
+@pytest.mark.parametrize("method", ["ddtree", "dominotree"])
+def test_fp32_tree_decoding_gives_plain_decodings_tokens(kernel32, tiny_llama_dir, method):
+    target = dt.load_target(str(tiny_llama_dir), dtype=torch.float32)
+    drafter = random_drafter(domino=True, seed=4)
+    calls = []
+    real = ta._state["module"].tree_attention
+    ta._state["module"].tree_attention = lambda *a: calls.append(a[0].dtype) or real(*a)
+    try:
+        prompt = "hello world the w7 w8 w9"
+        ref = dt.generate(target, None, prompt, method="ar", max_new_tokens=40, temperature=0)
+        out = dt.generate(target, drafter, prompt, method=method, max_new_tokens=40, temperature=0, budget=8)
+    finally:
+        ta._state["module"].tree_attention = real
+    assert calls and set(calls) == {torch.float32} and out.token_ids == ref.token_ids

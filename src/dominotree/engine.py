@@ -60,8 +60,8 @@ class GenerationStream:
         if drafter is not None and cfg.method in DRAFT_METHODS:
             drafter.check_fits(target)
         self.proposer = make_proposer(cfg, target, drafter)
-        if cfg.method != "ar":
-            tree_attention.enabled()    # its first call compiles the kernel: here, not inside the timed verify
+        # its first call compiles the kernel (plain decoding's steps use it too): here, not in a timed step
+        tree_attention.enabled(target.dtype)
         self.lookup = NgramIndex(cfg.lookup_ngram) if cfg.lookup else None
         self.store = store_for(cfg.lookup_store, target.name) if cfg.lookup_store else None
         self.result: GenerationResult | None = None

@@ -13,8 +13,8 @@ near-ties, as the benchmark's equality check reports). Measured on a 2-core EPYC
 prompt: plain decoding 1.05-1.06x faster, DominoTree 1.03-1.05x; a one-token step at 300-600 tokens
 of context 8-17% (docs/RESULTS.md, "Packed GQA attention").
 
-Masked blocks (tree verifies) and one-token steps run on `tree_attention.py`'s bf16 kernel where the
-CPU has one (so a verify's row and a step of the same token give the same bits).
+Masked blocks (tree verifies) and one-token steps run on `tree_attention.py`'s kernel where the
+CPU has one for the dtype (so a verify's row and a step of the same token give the same bits).
 Prefill without a mask (SDPA's `is_causal` path), dropout, position biases, per-head masks and
 models without grouped heads go to transformers' own `sdpa` function unchanged.
 """
@@ -53,7 +53,7 @@ def grouped_sdpa(query, key, value, mask=None, scale=None, mask_grouped: bool = 
     q = query.reshape(B, H // groups, groups * n, D)   # heads h = kv * groups + g: row g * n + i
     if mask is not None and n > 1 and not mask_grouped:
         mask = grouped_mask(mask, groups)
-    if tree_attention.applies(q, key, mask, n):  # a tree verify or a one-token step on an AVX-512 BF16 CPU
+    if tree_attention.applies(q, key, mask, n):  # a tree verify or a one-token step the kernel serves
         return tree_attention.attention(q, key, value, mask, scale).view(B, H, n, D)
     return F.scaled_dot_product_attention(q, key, value, attn_mask=mask, scale=scale).view(B, H, n, D)
 

@@ -127,7 +127,8 @@ def pairs_single(packed: torch.Tensor, bias: torch.Tensor | None = None) -> bool
     """Whether a lone row should run as two (`packed_linear`'s `pair_single`): for bf16 products
     whose lone-row kernel rounds otherwise, on a CPU that can run the bf16 attention kernel
     (avx512_bf16), without which verifies and steps part anyway (target.exact_steps). Never for
-    fp32: there too the kernel is missing, and a 49k-wide row pair costs 1.8x one."""
+    fp32: the fp32 linear kernel's rows agree alone and among others, and on MKL's copy (no
+    kernel) a 49k-wide row pair costs 1.8x one."""
     return (packed.dtype == torch.bfloat16 and "avx512_bf16" in cpu_facts()[1]
             and row_behaviour(packed, bias).single_differs)
 

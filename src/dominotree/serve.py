@@ -163,9 +163,8 @@ class Server:
         if method in ("domino", "dominotree", "condadaptive"):
             from .trees import native
             native.load()   # compile the native library (first run only) here, not inside a request
-        if method != "ar":
-            from . import tree_attention
-            tree_attention.enabled()    # and the verify kernel, where this CPU uses it
+        from . import tree_attention
+        tree_attention.enabled(target.dtype)    # and the attention kernel of verifies and steps, where this CPU uses it
         self.target, self.drafter, self.method, self.model_name = target, drafter, method, model_name
         self.lookup, self.lookup_store = lookup, lookup_store
         self.draft_vocab, self.draft_vocab_source = draft_vocab, draft_vocab_source

@@ -22,7 +22,7 @@ from .lean_target import lean_for, transformers_forward
 from .lean_target import state_key as lean_state_key
 from .machine import default_dtype
 from .models import ModelNotFoundError, resolve_target
-from . import tree_attention
+from . import fp32_linear, tree_attention
 from .packed import PackedLinear, is_packed, pack_linears, packing, row_behaviour
 from .trees.tree import DraftTree
 
@@ -77,13 +77,15 @@ class TargetModel:
         """Whether a one-token step and a tree verify's row of the same token give the same bits on
         this machine, so that greedy speculative decoding gives plain decoding's tokens exactly, not
         up to floating-point near-ties: the lean path on packed weights with grouped attention on the
-        tree-attention kernel (rows over the keys they see, in key order), and oneDNN products that
-        treat rows alike (packed.row_behaviour; a lone row that differs runs as two)."""
+        tree-attention kernel (rows over the keys they see, in key order), and products that treat
+        rows alike (in bf16 oneDNN's, packed.row_behaviour: a lone row that differs runs as two; in
+        fp32 the fp32 linear kernel's, whose sums run in k order whatever the rows)."""
         head = self.model.get_output_embeddings()
         if not (self.lean and self.packed and self.gqa_attention and self.device.type == "cpu"
-                and self.dtype == torch.bfloat16 and tree_attention.enabled()
-                and isinstance(head, PackedLinear) and head.packed_enabled):
-            return False
+                and self.dtype in tree_attention.KERNEL_DTYPES and tree_attention.enabled(self.dtype)
+                and isinstance(head, PackedLinear) and head.packed_enabled
+                and (self.dtype != torch.float32 or isinstance(head._packed, fp32_linear.Blocked))):
+            return False       # (fp32 on MKL's copy: its lone rows round otherwise, unpaired)
         lean = self._lean_kept = lean_for(self.model, self._lean_kept)     # the path the next request steps on
         return (lean.heads > lean.kv_heads and lean.head_dim in tree_attention.HEAD_SIZES and lean.rows_agree
                 and row_behaviour(head._packed, head.bias).rows_agree)

@@ -112,7 +112,7 @@ def main(args) -> int:
     cost_model = ensure_cost_model(args, target, drafters, specs, out)
     info = {"command": command_line(args), "model": args.model, "dtype": str(target.dtype).removeprefix("torch."),
             "packed": target.packed,
-            "gqa_attention": target.gqa_attention, "lean_target": target.lean, "tree_attention": tree_attention_status(),
+            "gqa_attention": target.gqa_attention, "lean_target": target.lean, "tree_attention": tree_attention_status(target.dtype),
             "exact_steps": target.exact_steps,
             "fp32_linear": fp32_linear_status() if target.dtype == torch.float32 else None,
             "lean_drafters": sorted(k for k, d in drafters.items() if d.lean() is not None),
