@@ -144,20 +144,25 @@ def test_a_tree_row_is_a_one_token_step_over_the_keys_it_sees(kernel, d, context
     """Bit for bit: a node's row in a tree verify (the context, then its ancestors among the tree's
     keys) equals a one-token step that sees the context and the node's path as contiguous keys, as
     plain decoding's cache holds them; with 3 query heads folded per key/value head."""
+    rows_equal_steps(d, context, torch.bfloat16)
+
+
+def rows_equal_steps(d, context, dtype):
+    """Checks every node's rows against its one-token step; returns (tree, q, k, v, verify output)."""
     g = torch.Generator().manual_seed(context * 7 + d)
     parents = [-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, 21)]
     tree = DraftTree.from_lists(list(range(21)), parents)
     n, groups = len(tree), 3
-    q, k, v = qkv(2, groups * n, context + n, d, seed=context + d)
-    anc = tree.ancestor_mask()
-    allowed = torch.cat([torch.ones(n, context, dtype=torch.bool), anc], 1).repeat(groups, 1)
-    mask = torch.zeros(1, 1, groups * n, context + n, dtype=torch.bfloat16).masked_fill_(~allowed, MIN)
+    q, k, v = qkv(2, groups * n, context + n, d, seed=context + d, dtype=dtype)
+    allowed = torch.cat([torch.ones(n, context, dtype=torch.bool), tree.ancestor_mask()], 1).repeat(groups, 1)
+    mask = torch.zeros(1, 1, groups * n, context + n, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)
     out = ta.attention(q, k, v, mask)
     for i in range(n):
         keys = list(range(context)) + [context + a for a in tree.path(i)]
         rows = [gi * n + i for gi in range(groups)]
         step = ta.attention(q[:, :, rows].contiguous(), k[:, :, keys].contiguous(), v[:, :, keys].contiguous(), None)
         assert torch.equal(step, out[:, :, rows]), (i, tree.path(i))
+    return tree, q, k, v, out
 
 
 @needs_kernel
@@ -220,18 +225,24 @@ def test_grouped_sdpa_sends_tree_steps_to_the_kernel(kernel, monkeypatch):
 @pytest.mark.parametrize("method", ["ddtree", "dominotree"])
 def test_tree_decoding_stays_lossless(kernel, tiny_llama_dir, method):
     """A bf16 target (head size 16: the kernel serves its verifies) gives plain decoding's tokens."""
-    target = dt.load_target(str(tiny_llama_dir), dtype=torch.bfloat16)
+    calls, out, ref = decode_on_kernel(tiny_llama_dir, torch.bfloat16, method)
+    assert calls and out.token_ids == ref.token_ids
+
+
+def decode_on_kernel(model_dir, dtype, method):
+    """(the dtypes of the kernel's calls, `method`'s greedy result, plain decoding's) on a tiny target."""
+    target = dt.load_target(str(model_dir), dtype=dtype)
     drafter = random_drafter(domino=True, seed=4)
     calls = []
     real = ta._state["module"].tree_attention
-    ta._state["module"].tree_attention = lambda *a: calls.append(1) or real(*a)
+    ta._state["module"].tree_attention = lambda *a: calls.append(a[0].dtype) or real(*a)
     try:
         prompt = "hello world the w7 w8 w9"
         ref = dt.generate(target, None, prompt, method="ar", max_new_tokens=40, temperature=0)
         out = dt.generate(target, drafter, prompt, method=method, max_new_tokens=40, temperature=0, budget=8)
     finally:
         ta._state["module"].tree_attention = real
-    assert calls and out.token_ids == ref.token_ids
+    return calls, out, ref
 
 
 @needs_kernel
@@ -295,20 +306,9 @@ def test_fp32_rows_are_computed_on_their_own_and_masked_keys_change_nothing(kern
 @pytest.mark.parametrize("context", [1, 15, 16, 47, 300])
 def test_fp32_a_tree_row_is_a_one_token_step_over_the_keys_it_sees(kernel32, d, context):
     """Bit for bit, as for bf16: a node's row equals a one-token step over the context and its path."""
-    g = torch.Generator().manual_seed(context * 7 + d)
-    parents = [-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, 21)]
-    tree = DraftTree.from_lists(list(range(21)), parents)
-    n, groups = len(tree), 3
-    q, k, v = qkv(2, groups * n, context + n, d, seed=context + d, dtype=torch.float32)
-    allowed = torch.cat([torch.ones(n, context, dtype=torch.bool), tree.ancestor_mask()], 1).repeat(groups, 1)
-    mask = torch.zeros(1, 1, groups * n, context + n).masked_fill_(~allowed, torch.finfo(torch.float32).min)
-    out = ta.attention(q, k, v, mask)
-    for i in range(n):
-        keys = list(range(context)) + [context + a for a in tree.path(i)]
-        rows = [gi * n + i for gi in range(groups)]
-        step = ta.attention(q[:, :, rows].contiguous(), k[:, :, keys].contiguous(), v[:, :, keys].contiguous(), None)
-        assert torch.equal(step, out[:, :, rows]), (i, tree.path(i))
+    tree, q, k, v, out = rows_equal_steps(d, context, torch.float32)
     # negative control: SDPA's step is within rounding of the kernel's, not equal to it
+    n, groups = len(tree), 3
     keys = list(range(context)) + [context + a for a in tree.path(n - 1)]
     rows = [gi * n + n - 1 for gi in range(groups)]
     sdpa = F.scaled_dot_product_attention(q[:, :, rows], k[:, :, keys], v[:, :, keys])
@@ -332,15 +332,5 @@ def test_fp32_bad_calls_raise(kernel32):
 @needs_fp32_kernel
 @pytest.mark.parametrize("method", ["ddtree", "dominotree"])
 def test_fp32_tree_decoding_gives_plain_decodings_tokens(kernel32, tiny_llama_dir, method):
-    target = dt.load_target(str(tiny_llama_dir), dtype=torch.float32)
-    drafter = random_drafter(domino=True, seed=4)
-    calls = []
-    real = ta._state["module"].tree_attention
-    ta._state["module"].tree_attention = lambda *a: calls.append(a[0].dtype) or real(*a)
-    try:
-        prompt = "hello world the w7 w8 w9"
-        ref = dt.generate(target, None, prompt, method="ar", max_new_tokens=40, temperature=0)
-        out = dt.generate(target, drafter, prompt, method=method, max_new_tokens=40, temperature=0, budget=8)
-    finally:
-        ta._state["module"].tree_attention = real
+    calls, out, ref = decode_on_kernel(tiny_llama_dir, torch.float32, method)
     assert calls and set(calls) == {torch.float32} and out.token_ids == ref.token_ids
