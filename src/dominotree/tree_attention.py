@@ -92,7 +92,9 @@ def enabled(dtype: torch.dtype = torch.bfloat16) -> bool:
     """Whether `dtype` query blocks go to the kernel now (it is compiled on the first call that is)."""
     switched = _state["enabled"]
     if switched is None:    # the environment and the CPU, read once per dtype: this runs every step
-        on = _state["wanted"].setdefault(dtype, wanted(dtype))
+        if dtype not in _state["wanted"]:
+            _state["wanted"][dtype] = wanted(dtype)
+        on = _state["wanted"][dtype]
     else:
         on = switched and cpu_runs(dtype)
     return on and _load() is not None and (dtype != torch.bfloat16 or _state["module"].has_bf16())
